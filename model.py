@@ -1,0 +1,293 @@
+"""GPT-2, exactly, on one device.
+
+    tokens (B, T) ─▶ wte + wpe ─▶ [ Block ] × n_layer ─▶ ln_f ─▶ lm_head (= wte^T) ─▶ logits (B, T, V)
+
+    Block:  x = x + attn(ln_1(x))        pre-LayerNorm, eps 1e-5
+            x = x + mlp(ln_2(x))         mlp = c_proj(gelu_tanh(c_fc(x))), 4x wide
+
+This is the model of Radford et al. 2019 ("Language Models are Unsupervised Multitask
+Learners") with the parameter names of the released checkpoints, so Hugging Face GPT-2
+weights load unchanged (their Conv1D weights are our nn.Linear weights transposed).
+
+Three things here exist for the rest of the codebase:
+
+1. Layout-independent initialization. `init_value(name, shape, seed)` draws a parameter's
+   *full* initial value from a generator seeded by (seed, name) alone. `materialize` builds
+   each parameter of a model that was constructed on the `meta` device (no memory), and takes
+   an optional `shard_fn` that cuts out the slice a rank keeps. So every parallel layout,
+   which only changes the slices, starts from exactly the same weights.
+2. Seams for parallelism. The forward is `embed -> blocks -> head -> loss_fn`, blocks are
+   run in whatever order `transformer.h` holds them, and attention infers its number of heads
+   from the projection's width. parallel.py swaps layers and drops blocks; it never needs a
+   second copy of this file.
+3. The vocabulary is padded to a multiple of 128 (50257 -> 50304) so the embedding splits
+   evenly across tensor-parallel ranks and its matmuls hit fast shapes. The padded logits are
+   masked out when sampling.
+"""
+
+import hashlib
+import math
+from dataclasses import asdict, dataclass, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from kernels import attention
+
+
+@dataclass
+class GPTConfig:
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    block_size: int = 1024  # longest sequence (learned position embeddings)
+    vocab_size: int = 50257  # real tokens; the embedding holds padded_vocab rows
+    dropout: float = 0.0
+    attn: str = "auto"  # attention backend, see kernels.py; not part of the architecture
+
+    @property
+    def padded_vocab(self) -> int:
+        return math.ceil(self.vocab_size / 128) * 128
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    def architecture(self) -> dict:
+        """The fields that decide parameter shapes (what a checkpoint must agree on)."""
+        return {k: v for k, v in asdict(self).items() if k not in ("dropout", "attn")}
+
+
+# (n_layer, n_head, n_embd, block_size). The four GPT-2 sizes, then small ones for CPUs.
+PRESETS = {
+    "gpt2": (12, 12, 768, 1024),  # 124M
+    "gpt2-medium": (24, 16, 1024, 1024),  # 350M
+    "gpt2-large": (36, 20, 1280, 1024),  # 774M
+    "gpt2-xl": (48, 25, 1600, 1024),  # 1558M
+    "small": (6, 8, 384, 256),  # a CPU run that learns in minutes
+    "mini": (4, 4, 256, 256),  # the default on a CPU
+    "tiny": (4, 4, 64, 64),  # tests: a step in milliseconds; divisible by tp and pp up to 4
+}
+
+
+def config_from_preset(name: str, vocab_size: int, **overrides) -> GPTConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
+    n_layer, n_head, n_embd, block_size = PRESETS[name]
+    cfg = GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size,
+                    vocab_size=vocab_size)
+    for key, value in overrides.items():
+        if key not in {f.name for f in fields(GPTConfig)}:
+            raise ValueError(f"unknown config field {key!r}")
+        setattr(cfg, key, value)
+    if cfg.n_embd % cfg.n_head:
+        raise ValueError(f"n_embd={cfg.n_embd} is not divisible by n_head={cfg.n_head}")
+    return cfg
+
+
+# ----------------------------------------------------------------------------- the layers
+
+
+class KVCache:
+    """Keys and values of the tokens seen so far, so sampling costs O(T) per token, not O(T^2)."""
+
+    def __init__(self):
+        self.k = self.v = None
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # (B, H, T_new, D) each; cat is fine at sampling sizes and keeps the code obvious
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        return self.k, self.v
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.backend = cfg.attn
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)  # q, k, v for all heads at once
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        qkv = self.c_attn(x)  # (B, T, 3 * H * D); under tensor parallelism H is this rank's heads
+        B, T, _ = qkv.shape
+        # views, not copies: the attention kernel takes strided inputs
+        q, k, v = qkv.view(B, T, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4)  # (B, H, T, D) each
+        if cache is not None:
+            k, v = cache.append(k, v)  # (B, H, T_past + T, D)
+        y = attention(q, k, v, self.backend)  # (B, H, T, D)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, H * D)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
+        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, eps=1e-5)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=1e-5)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache)
+        return x + self.mlp(self.ln_2(x))
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token loss over every position, computed in fp32 whatever the logits' dtype."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.config = cfg
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(cfg.padded_vocab, cfg.n_embd),
+            wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
+            drop=nn.Dropout(cfg.dropout),
+            h=nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)]),
+            ln_f=nn.LayerNorm(cfg.n_embd, eps=1e-5),
+        ))
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.padded_vocab, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight  # weight tying, as in GPT-2
+        self.loss_fn = cross_entropy  # parallel.py swaps in the vocab-parallel loss
+
+    # The forward in three seams, so a pipeline stage can run only its part.
+    def embed(self, idx: torch.Tensor, start: int = 0) -> torch.Tensor:
+        T = idx.size(1)
+        if start + T > self.config.block_size:
+            raise ValueError(f"sequence of {start + T} tokens is longer than the model's context "
+                             f"(block_size={self.config.block_size})")
+        pos = torch.arange(start, start + T, device=idx.device)
+        return self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+
+    def blocks(self, x: torch.Tensor, caches: list[KVCache] | None = None) -> torch.Tensor:
+        # children() rather than indexing: a pipeline stage keeps only some blocks
+        for i, block in enumerate(self.transformer.h.children()):
+            x = block(x, caches[i] if caches else None)
+        return x
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.transformer.ln_f(x))  # (B, T, V_padded)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        logits = self.head(self.blocks(self.embed(idx)))
+        loss = None if targets is None else self.loss_fn(logits, targets)
+        return logits, loss
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Sample continuations of idx (B, T) with a KV cache. When the context fills up, the cache
+        is rebuilt from the last half of the window (an O(T) prefill every T/2 tokens)."""
+        window = self.config.block_size
+        out = idx[:, -window:]
+        caches, seen = None, 0  # `seen` tokens of `out` are in the cache
+        for _ in range(max_new_tokens):
+            if caches is None or seen >= window:
+                out_ctx = out[:, -max(1, window // 2):] if seen >= window else out
+                caches = [KVCache() for _ in range(len(self.transformer.h))]
+                logits = self.head(self.blocks(self.embed(out_ctx), caches))
+                seen = out_ctx.size(1)
+            else:
+                logits = self.head(self.blocks(self.embed(out[:, -1:], start=seen), caches))
+                seen += 1
+            logits = self.gather_logits(logits[:, -1, :]).float()  # (B, V_padded)
+            logits[:, self.config.vocab_size:] = float("-inf")  # padding never wins
+            if temperature == 0:
+                nxt = logits.argmax(-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)
+            out = torch.cat([out, nxt], dim=1)
+        return out
+
+    gather_logits = staticmethod(lambda logits: logits)  # tensor parallelism gathers vocab shards
+
+
+# ----------------------------------------------------------------------------- initialization
+
+
+def stable_seed(seed: int, name: str) -> int:
+    """A 63-bit seed from (seed, name) that is the same on every machine and Python process."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def canonical_name(name: str) -> str:
+    """lm_head.weight *is* wte.weight; a pipeline's last stage holds a copy that must match."""
+    return "transformer.wte.weight" if name == "lm_head.weight" else name
+
+
+def init_value(name: str, shape: torch.Size, seed: int, n_layer: int) -> torch.Tensor:
+    """The full fp32 initial value of parameter `name`: GPT-2's scheme, drawn from its own stream.
+    N(0, 0.02) for weights and embeddings, scaled by 1/sqrt(2 n_layer) for the projections that
+    write into the residual stream (GPT-2 paper, section 2.3); zero biases; LayerNorm gain 1."""
+    name = canonical_name(name)
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
+    if ".ln_" in name or name.startswith("transformer.ln_f"):
+        return torch.ones(shape)
+    std = 0.02 / math.sqrt(2 * n_layer) if name.endswith("c_proj.weight") else 0.02
+    gen = torch.Generator().manual_seed(stable_seed(seed, name))
+    return torch.randn(shape, generator=gen) * std
+
+
+def full_shapes(cfg: GPTConfig) -> dict[str, torch.Size]:
+    """Shapes of every parameter of the unsharded model (built on meta: no memory)."""
+    with torch.device("meta"):
+        return {n: p.shape for n, p in GPT(cfg).named_parameters(remove_duplicate=False)}
+
+
+def materialize(model: GPT, seed: int, device: torch.device | str = "cpu", shard_fn=None) -> GPT:
+    """Give every parameter of a meta-built model its initial value. `shard_fn(name, full)` returns
+    the part of the full tensor this rank keeps (default: all of it). Peak extra memory is one
+    full parameter."""
+    shapes = full_shapes(model.config)
+    done = {}
+    for module_name, module in model.named_modules():
+        for pname, param in list(module.named_parameters(recurse=False)):
+            name = f"{module_name}.{pname}" if module_name else pname
+            if id(param) not in done:  # a tied parameter is created once and shared
+                value = init_value(name, shapes[name], seed, model.config.n_layer)
+                value = shard_fn(name, value) if shard_fn else value
+                done[id(param)] = nn.Parameter(value.to(device), requires_grad=param.requires_grad)
+            setattr(module, pname, done[id(param)])
+    return model
+
+
+def build(cfg: GPTConfig, seed: int, device: torch.device | str = "cpu") -> GPT:
+    """The single-device model: construct on meta, then materialize every parameter."""
+    with torch.device("meta"):
+        model = GPT(cfg)
+    return materialize(model, seed, device)
+
+
+def count_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def flops_per_token(cfg: GPTConfig, seq_len: int) -> float:
+    """Training FLOPs per token, PaLM appendix B: 6N + 12 L H Q T. N counts every weight that takes
+    part in a matmul: the blocks and the (tied) lm_head, not the position table."""
+    C, L = cfg.n_embd, cfg.n_layer
+    n_matmul = L * 12 * C * C + cfg.padded_vocab * C
+    return 6 * n_matmul + 12 * L * cfg.n_head * cfg.head_dim * seq_len
