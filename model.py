@@ -270,6 +270,7 @@ def materialize(model: GPT, seed: int, device: torch.device | str = "cpu", shard
                 value = init_value(name, shapes[name], seed, model.config.n_layer)
                 value = shard_fn(name, value) if shard_fn else value
                 done[id(param)] = nn.Parameter(value.to(device), requires_grad=param.requires_grad)
+                done[id(param)].__dict__.update(param.__dict__)  # keep tags such as parallel.py's `shard`
             setattr(module, pname, done[id(param)])
     return model
 

@@ -1,0 +1,402 @@
+"""Checkpoints that lose nothing.
+
+A checkpoint is everything a run needs to continue as if it had never stopped: the weights, the
+optimizer's moments, the loss scaler, the step (which fixes the learning rate), every RNG, the
+data loader's position, the config and the tokenizer. Leave one out and a resumed run silently
+differs: without the loader position it sees batches twice; without the RNG, dropout and
+sampling change; without the scaler, fp16 starts over at a scale that overflows.
+
+On disk, one directory per checkpoint, one file per rank, and a manifest:
+
+    <out>/ckpt/
+        step_00000200/
+            rank00000.pt        this rank's tensors (its shards) and its RNG states
+            rank00000.json      what rank00000.pt holds: names, full shapes, slices, sha256
+            manifest.json       all ranks' entries + run metadata; written last by rank 0
+        step_00000400/ ...
+        latest                  "step_00000400", replaced atomically after the directory is complete
+
+The write is atomic: files go to `.tmp-step_XXXXXXXX/`, are fsynced and read back against their
+sha256; rank 0 waits for every rank's .json, writes the manifest, renames the directory into
+place and only then moves `latest`. A crash at any instant leaves the previous checkpoint
+intact and `latest` pointing at a complete one. Readers verify every file against the manifest
+and fall back to the previous checkpoint when one is corrupt.
+
+The format is sharded from day one: each tensor entry records which slice of the full tensor
+the file holds (`shard`: split `dim` into `count` parts, optionally within `groups` blocks, keep
+part `index`), so a checkpoint written by one layout can be read by another.
+"""
+
+import hashlib
+import io
+import json
+import os
+import random
+import shutil
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+FORMAT, VERSION = "nanoscale-checkpoint", 1
+COMMIT_TIMEOUT_S = 600
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used: corrupt, incomplete, or from an incompatible run."""
+
+
+def sha256_bytes(b: bytes) -> str:
+    return hashlib.sha256(b).hexdigest()
+
+
+def write_durably(path: Path, payload: bytes) -> dict:
+    """Write, fsync, read back and check the hash: a file that returns is on disk as intended."""
+    with open(path, "wb") as f:
+        f.write(payload)
+        f.flush()
+        os.fsync(f.fileno())
+    digest = sha256_bytes(payload)
+    if sha256_bytes(path.read_bytes()) != digest:
+        raise CheckpointError(f"{path} does not read back as written")
+    return {"sha256": digest, "bytes": len(payload)}
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def replace_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    write_durably(tmp, text.encode())
+    os.replace(tmp, path)  # atomic on POSIX: readers see the old or the new pointer, never half
+    fsync_dir(path.parent)
+
+
+# ----------------------------------------------------------------------------- what a rank saves
+
+
+def rng_state() -> dict:
+    np_state = np.random.get_state()
+    return {"python": random.getstate(), "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(tuple(x if not isinstance(x, list) else tuple(x) for x in state["python"]))
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def model_entries(model: torch.nn.Module, grid) -> dict[str, tuple[torch.Tensor, dict | None]]:
+    """name -> (local tensor, shard spec) for the parameters this rank is responsible for writing.
+    A parameter replicated on several ranks is written once (by the rank `owns` picks)."""
+    out = {}
+    for name, p in model.named_parameters():
+        spec = getattr(p, "shard", None)
+        if owns(grid, p):
+            out[name] = (p.detach(), spec)
+    return out
+
+
+def owns(grid, p: torch.Tensor) -> bool:
+    """Replicas are identical, so the first data-parallel rank writes them, and the first
+    tensor-parallel rank writes tensors that tensor parallelism replicates."""
+    if grid is None:
+        return True
+    return grid.dp_rank == 0 and (getattr(p, "shard", None) is not None or grid.tp_rank == 0)
+
+
+def optimizer_entries(opt: torch.optim.Optimizer, model: torch.nn.Module, grid) -> dict:
+    """AdamW's moments, keyed by parameter name so they can be resharded like the parameter."""
+    out = {}
+    for name, p in model.named_parameters():
+        state = opt.state.get(p)
+        if state and owns(grid, p):
+            spec = getattr(p, "shard", None)
+            out[f"{name}::exp_avg"] = (state["exp_avg"].detach(), spec)
+            out[f"{name}::exp_avg_sq"] = (state["exp_avg_sq"].detach(), spec)
+            out[f"{name}::step"] = (torch.as_tensor(state["step"]).detach().reshape(1), None)
+    return out
+
+
+def snapshot(model, opt, grid) -> dict[str, tuple[torch.Tensor, dict | None]]:
+    """CPU copies of this rank's tensors: the training loop may change the originals right after."""
+    entries = {**model_entries(model, grid), **optimizer_entries(opt, model, grid)}
+    return {k: (t.to("cpu", copy=True), spec) for k, (t, spec) in entries.items()}
+
+
+def full_shape(t: torch.Tensor, spec: dict | None) -> list[int]:
+    shape = list(t.shape)
+    if spec:
+        shape[spec["dim"]] *= spec["count"]
+    return shape
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+class Saver:
+    """Writes checkpoints, synchronously or from a background thread (`asynchronous`). Either way
+    `save` returns once the state is copied, and `wait` returns once the checkpoint is complete."""
+
+    def __init__(self, ckpt_dir: Path, keep: int, asynchronous: bool, grid):
+        self.dir, self.keep, self.asynchronous, self.grid = Path(ckpt_dir), keep, asynchronous, grid
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def save(self, step: int, model, opt, grid, extra: dict, meta: dict, crash_mid_save: bool = False):
+        self.wait()
+        tmp = self.dir / f".tmp-step_{step:08d}"
+        if grid.rank == 0:  # a crash may have left a partial one behind
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        grid.barrier()
+        tensors = snapshot(model, opt, grid)
+        rank_state = {"extra": {**extra, "step": step}, "rng": rng_state()}
+        args = (step, tmp, tensors, rank_state, meta, crash_mid_save)
+        if self.asynchronous:
+            self.thread = threading.Thread(target=self._write_catching, args=args, name="ckpt-writer")
+            self.thread.start()
+        else:
+            self._write(*args)
+
+    def wait(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        if self.error is not None:
+            err, self.error = self.error, None
+            raise CheckpointError(f"the background checkpoint write failed: {err}") from err
+
+    def _write_catching(self, *args) -> None:
+        try:
+            self._write(*args)
+        except BaseException as e:  # surfaced by the next wait()
+            self.error = e
+
+    def _write(self, step, tmp, tensors, rank_state, meta, crash_mid_save) -> None:
+        g = self.grid
+        fname = f"rank{g.rank:05d}.pt"
+        payload = io.BytesIO()
+        torch.save({"tensors": {k: t for k, (t, _) in tensors.items()}, **rank_state}, payload)
+        info = {"files": {fname: write_durably(tmp / fname, payload.getvalue())},
+                "tensors": [{"name": k, "file": fname, "full_shape": full_shape(t, spec),
+                             "dtype": str(t.dtype).removeprefix("torch."), "shard": spec}
+                            for k, (t, spec) in tensors.items()]}
+        if crash_mid_save:  # fault injection: die between the data file and its description
+            os.kill(os.getpid(), signal.SIGKILL)
+        write_durably(tmp / f"rank{g.rank:05d}.json", json.dumps(info).encode())
+        final = self.dir / f"step_{step:08d}"
+        if g.rank == 0:
+            self._commit(step, tmp, final, meta)
+        else:  # wait() means "complete" on every rank
+            wait_for(lambda: (self.dir / "latest").exists() and final.exists(), f"rank 0 to commit {final}")
+
+    def _commit(self, step: int, tmp: Path, final: Path, meta: dict) -> None:
+        g = self.grid
+        parts = [tmp / f"rank{r:05d}.json" for r in range(g.world)]
+        wait_for(lambda: all(p.exists() for p in parts), f"every rank's shard of step {step}")
+        files, tensors = {}, []
+        for p in parts:
+            info = json.loads(p.read_text())
+            files.update(info["files"])
+            tensors += info["tensors"]
+        manifest = {"format": FORMAT, "version": VERSION, "step": step, "meta": meta,
+                    "layout": {"dp": g.dp, "tp": g.tp, "pp": g.pp}, "files": files, "tensors": tensors}
+        write_durably(tmp / "manifest.json", json.dumps(manifest, indent=1).encode())
+        fsync_dir(tmp)
+        shutil.rmtree(final, ignore_errors=True)  # a same-step leftover from a run we rolled back
+        os.rename(tmp, final)
+        fsync_dir(self.dir)
+        replace_atomically(self.dir / "latest", final.name)
+        self._prune(final)
+
+    def _prune(self, newest: Path) -> None:
+        """Delete the oldest complete checkpoints beyond --keep, only now that a newer one exists."""
+        for old in sorted(self.dir.glob("step_*"))[:-self.keep]:
+            if old != newest:
+                shutil.rmtree(old, ignore_errors=True)
+
+
+def wait_for(ready, what: str, timeout_s: float = COMMIT_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        if time.monotonic() > deadline:
+            raise CheckpointError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        time.sleep(0.01)
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def read_manifest(path: Path) -> dict:
+    try:
+        manifest = json.loads((path / "manifest.json").read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: no readable manifest.json ({e.__class__.__name__})") from None
+    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        raise CheckpointError(f"{path}: not a {FORMAT} v{VERSION} checkpoint")
+    return manifest
+
+
+def verify(path: Path) -> dict:
+    """Check every file against the manifest's size and sha256; return the manifest."""
+    manifest = read_manifest(path)
+    for name, want in manifest["files"].items():
+        f = path / name
+        if not f.exists():
+            raise CheckpointError(f"{f} is missing")
+        data = f.read_bytes()
+        if len(data) != want["bytes"]:
+            raise CheckpointError(f"{f} has {len(data)} bytes, the manifest says {want['bytes']} (truncated?)")
+        if sha256_bytes(data) != want["sha256"]:
+            raise CheckpointError(f"{f} does not match its sha256 in the manifest (corrupted)")
+    return manifest
+
+
+def latest(ckpt_dir: Path, log=print) -> Path | None:
+    """The newest checkpoint that verifies. `latest` is tried first, then every step directory,
+    newest first; each unusable one is reported by name."""
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.exists():
+        return None
+    pointer = ckpt_dir / "latest"
+    candidates = sorted(ckpt_dir.glob("step_*"), reverse=True)
+    if pointer.exists():
+        first = ckpt_dir / pointer.read_text().strip()
+        candidates = [first] + [c for c in candidates if c != first]
+    for path in candidates:
+        try:
+            verify(path)
+            return path
+        except CheckpointError as e:
+            log(f"checkpoint unusable, trying an older one: {e}")
+    return None
+
+
+def check_compatible(manifest: dict, meta: dict, path: Path) -> None:
+    """Refuse a checkpoint whose model, tokenizer or batch math differs from this run's."""
+    saved = manifest["meta"]
+    diffs = []
+    for key in ("model", "tokenizer", "batch_size", "seq_len"):
+        if saved.get(key) != meta.get(key):
+            diffs.append(f"{key}: checkpoint has {saved.get(key)}, this run has {meta.get(key)}")
+    if diffs:
+        raise CheckpointError(f"{path} is from an incompatible run ({'; '.join(diffs)}); point --out "
+                              "elsewhere or pass --fresh to start over")
+
+
+def load_rank_files(path: Path, manifest: dict) -> dict[str, dict]:
+    return {name: torch.load(path / name, map_location="cpu", weights_only=True)
+            for name in manifest["files"]}
+
+
+def full_tensor(name: str, manifest: dict, files: dict) -> torch.Tensor:
+    """Reassemble a tensor from the shards that hold it (one entry when it was not sharded)."""
+    parts = sorted((e for e in manifest["tensors"] if e["name"] == name),
+                   key=lambda e: e["shard"]["index"] if e["shard"] else 0)
+    if not parts:
+        raise CheckpointError(f"tensor {name} is not in the checkpoint")
+    pieces = [files[e["file"]]["tensors"][name] for e in parts]
+    spec = parts[0]["shard"]
+    return pieces[0] if spec is None else unshard(pieces, spec)
+
+
+def unshard(pieces: list[torch.Tensor], spec: dict) -> torch.Tensor:
+    """Inverse of cutting `count` parts along `dim` inside each of `groups` blocks."""
+    groups = spec.get("groups", 1)
+    chunks = [p.chunk(groups, dim=spec["dim"]) for p in pieces]  # chunks[rank][group]
+    return torch.cat([chunks[r][g] for g in range(groups) for r in range(len(pieces))], dim=spec["dim"])
+
+
+def load(path: Path, model, opt, grid, meta: dict) -> dict:
+    """Load a verified checkpoint into this rank's model and optimizer; return the run state
+    ('extra', with 'step'). Tensors are cut from the full tensor for this rank's layout."""
+    manifest = verify(path)
+    check_compatible(manifest, meta, path)
+    files = load_rank_files(path, manifest)
+    params = dict(model.named_parameters())
+    for name, p in params.items():
+        with torch.no_grad():
+            p.copy_(local_part(full_tensor(name, manifest, files), p))
+    names = {e["name"] for e in manifest["tensors"]}
+    for name, p in params.items():
+        if f"{name}::exp_avg" in names:
+            opt.state[p] = {"step": full_tensor(f"{name}::step", manifest, files).reshape(()).clone(),
+                            "exp_avg": local_part(full_tensor(f"{name}::exp_avg", manifest, files), p),
+                            "exp_avg_sq": local_part(full_tensor(f"{name}::exp_avg_sq", manifest, files), p)}
+    mine = files.get(f"rank{grid.rank:05d}.pt") if manifest["layout"] == layout_of(grid) else None
+    if mine is not None:  # same layout: this rank continues its own random streams exactly
+        set_rng_state(mine["rng"])
+    return files["rank00000.pt"]["extra"]
+
+
+def layout_of(grid) -> dict:
+    return {"dp": grid.dp, "tp": grid.tp, "pp": grid.pp}
+
+
+def local_part(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """The slice of `full` that parameter p holds on this rank (p.shard says which)."""
+    spec = getattr(p, "shard", None)
+    if spec is not None:
+        groups = spec.get("groups", 1)
+        blocks = full.chunk(groups, dim=spec["dim"])
+        full = torch.cat([b.chunk(spec["count"], dim=spec["dim"])[spec["index"]] for b in blocks],
+                         dim=spec["dim"])
+    if full.shape != p.shape:
+        raise CheckpointError(f"checkpoint tensor of shape {tuple(full.shape)} does not fit a parameter "
+                              f"of shape {tuple(p.shape)}")
+    return full.to(device=p.device, dtype=p.dtype)
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def inspect(path: Path) -> str:
+    path = Path(path)
+    if (path / "latest").exists():
+        path = path / (path / "latest").read_text().strip()
+    manifest = verify(path)
+    lines = [f"{path}: step {manifest['step']}, layout {manifest['layout']}, all "
+             f"{len(manifest['files'])} files verified",
+             f"tokenizer {manifest['meta'].get('tokenizer')}, model {manifest['meta'].get('model')}", ""]
+    for name, info in manifest["files"].items():
+        lines.append(f"  {name:<16} {info['bytes'] / 1e6:9.2f} MB  sha256 {info['sha256'][:16]}...")
+    lines.append("")
+    lines.append(f"  {'tensor':<44} {'full shape':<16} {'dtype':<9} {'file':<14} slice")
+    for e in manifest["tensors"]:
+        spec = e["shard"]
+        where = "whole" if spec is None else f"dim {spec['dim']} part {spec['index'] + 1}/{spec['count']}"
+        lines.append(f"  {e['name']:<44} {str(tuple(e['full_shape'])):<16} {e['dtype']:<9} {e['file']:<14} {where}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    import argparse
+    p = argparse.ArgumentParser(description="Inspect nanoscale checkpoints.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sp = sub.add_parser("inspect", help="verify a checkpoint and print its manifest")
+    sp.add_argument("path", help="a step_XXXXXXXX directory, or a ckpt/ directory (uses latest)")
+    args = p.parse_args(argv)
+    try:
+        print(inspect(args.path))
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
