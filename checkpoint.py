@@ -30,6 +30,7 @@ part `index`), so a checkpoint written by one layout can be read by another.
 import hashlib
 import io
 import json
+import math
 import os
 import random
 import shutil
@@ -41,6 +42,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from model import canonical_name
 
 FORMAT, VERSION = "nanoscale-checkpoint", 1
 COMMIT_TIMEOUT_S = 600
@@ -100,46 +103,59 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def model_entries(model: torch.nn.Module, grid) -> dict[str, tuple[torch.Tensor, dict | None]]:
-    """name -> (local tensor, shard spec) for the parameters this rank is responsible for writing.
-    A parameter replicated on several ranks is written once (by the rank `owns` picks)."""
+def entry(t: torch.Tensor, name: str, p: torch.Tensor, flat: tuple[int, int] | None = None) -> tuple:
+    """(tensor, description): `name` is the logical tensor, `shard` the tensor-parallel slice of the
+    full tensor that p holds, `flat` a [start, stop) range of that slice's flattened elements
+    (ZeRO-1 splits flat buffers, not dimensions)."""
+    return t.detach(), {"name": name, "shard": getattr(p, "shard", None),
+                        "flat": list(flat) if flat else None, "local_shape": list(p.shape)}
+
+
+def owns(grid, p: torch.Tensor, replicated_over_dp: bool = True) -> bool:
+    """Replicas are identical, so one rank writes each: the first data-parallel rank (unless ZeRO
+    split the tensor over data parallelism), the first tensor-parallel rank for tensors that
+    tensor parallelism replicates, and the first pipeline stage for the tied embedding."""
+    if getattr(p, "tied_copy", False):
+        return False
+    sharded_tp = getattr(p, "shard", None) is not None
+    return (grid.dp_rank == 0 or not replicated_over_dp) and (sharded_tp or grid.tp_rank == 0)
+
+
+def tensor_entries(model: torch.nn.Module, opt, grid) -> dict[str, tuple]:
+    """key -> (tensor, description) for everything this rank writes: its parameters, then AdamW's
+    moments keyed by parameter name, so they can be resharded exactly like the parameter."""
     out = {}
     for name, p in model.named_parameters():
-        spec = getattr(p, "shard", None)
         if owns(grid, p):
-            out[name] = (p.detach(), spec)
-    return out
-
-
-def owns(grid, p: torch.Tensor) -> bool:
-    """Replicas are identical, so the first data-parallel rank writes them, and the first
-    tensor-parallel rank writes tensors that tensor parallelism replicates."""
-    if grid is None:
-        return True
-    return grid.dp_rank == 0 and (getattr(p, "shard", None) is not None or grid.tp_rank == 0)
-
-
-def optimizer_entries(opt: torch.optim.Optimizer, model: torch.nn.Module, grid) -> dict:
-    """AdamW's moments, keyed by parameter name so they can be resharded like the parameter."""
-    out = {}
+            out[name] = entry(p, name, p)
+    if hasattr(opt, "pieces"):  # ZeRO-1: this rank's flat slices of the moments and master weights
+        for name, p, kind, (a, z), t in opt.pieces(model):
+            if owns(grid, p, replicated_over_dp=False):
+                out[f"{name}::{kind}@{a}"] = entry(t, f"{name}::{kind}", p, (a, z))
+        return out
     for name, p in model.named_parameters():
         state = opt.state.get(p)
         if state and owns(grid, p):
-            spec = getattr(p, "shard", None)
-            out[f"{name}::exp_avg"] = (state["exp_avg"].detach(), spec)
-            out[f"{name}::exp_avg_sq"] = (state["exp_avg_sq"].detach(), spec)
-            out[f"{name}::step"] = (torch.as_tensor(state["step"]).detach().reshape(1), None)
+            for kind in ("exp_avg", "exp_avg_sq"):
+                out[f"{name}::{kind}"] = entry(state[kind], f"{name}::{kind}", p)
     return out
 
 
-def snapshot(model, opt, grid) -> dict[str, tuple[torch.Tensor, dict | None]]:
+def optimizer_steps(opt) -> int:
+    """Updates the optimizer has made (AdamW's bias correction depends on it)."""
+    if hasattr(opt, "pieces"):
+        return opt.t
+    steps = [int(s["step"]) for s in opt.state.values() if "step" in s]
+    return steps[0] if steps else 0
+
+
+def snapshot(model, opt, grid) -> dict[str, tuple]:
     """CPU copies of this rank's tensors: the training loop may change the originals right after."""
-    entries = {**model_entries(model, grid), **optimizer_entries(opt, model, grid)}
-    return {k: (t.to("cpu", copy=True), spec) for k, (t, spec) in entries.items()}
+    return {k: (t.to("cpu", copy=True), info) for k, (t, info) in tensor_entries(model, opt, grid).items()}
 
 
-def full_shape(t: torch.Tensor, spec: dict | None) -> list[int]:
-    shape = list(t.shape)
+def full_shape(info: dict) -> list[int]:
+    shape, spec = list(info["local_shape"]), info["shard"]
     if spec:
         shape[spec["dim"]] *= spec["count"]
     return shape
@@ -165,7 +181,7 @@ class Saver:
             tmp.mkdir(parents=True)
         grid.barrier()
         tensors = snapshot(model, opt, grid)
-        rank_state = {"extra": {**extra, "step": step}, "rng": rng_state()}
+        rank_state = {"extra": {**extra, "step": step, "opt_step": optimizer_steps(opt)}, "rng": rng_state()}
         args = (step, tmp, tensors, rank_state, meta, crash_mid_save)
         if self.asynchronous:
             self.thread = threading.Thread(target=self._write_catching, args=args, name="ckpt-writer")
@@ -193,9 +209,8 @@ class Saver:
         payload = io.BytesIO()
         torch.save({"tensors": {k: t for k, (t, _) in tensors.items()}, **rank_state}, payload)
         info = {"files": {fname: write_durably(tmp / fname, payload.getvalue())},
-                "tensors": [{"name": k, "file": fname, "full_shape": full_shape(t, spec),
-                             "dtype": str(t.dtype).removeprefix("torch."), "shard": spec}
-                            for k, (t, spec) in tensors.items()]}
+                "tensors": [{**d, "key": k, "file": fname, "full_shape": full_shape(d),
+                             "dtype": str(t.dtype).removeprefix("torch.")} for k, (t, d) in tensors.items()]}
         if crash_mid_save:  # fault injection: die between the data file and its description
             os.kill(os.getpid(), signal.SIGKILL)
         write_durably(tmp / f"rank{g.rank:05d}.json", json.dumps(info).encode())
@@ -299,20 +314,45 @@ def check_compatible(manifest: dict, meta: dict, path: Path) -> None:
                               "elsewhere or pass --fresh to start over")
 
 
-def load_rank_files(path: Path, manifest: dict) -> dict[str, dict]:
-    return {name: torch.load(path / name, map_location="cpu", weights_only=True)
-            for name in manifest["files"]}
+class Reader:
+    """Full tensors by logical name, reassembled from whatever layout wrote them."""
 
+    def __init__(self, path: Path, manifest: dict):
+        self.files = {name: torch.load(path / name, map_location="cpu", weights_only=True)
+                      for name in manifest["files"]}
+        self.entries = {}
+        for e in manifest["tensors"]:
+            self.entries.setdefault(e["name"], []).append(e)
 
-def full_tensor(name: str, manifest: dict, files: dict) -> torch.Tensor:
-    """Reassemble a tensor from the shards that hold it (one entry when it was not sharded)."""
-    parts = sorted((e for e in manifest["tensors"] if e["name"] == name),
-                   key=lambda e: e["shard"]["index"] if e["shard"] else 0)
-    if not parts:
-        raise CheckpointError(f"tensor {name} is not in the checkpoint")
-    pieces = [files[e["file"]]["tensors"][name] for e in parts]
-    spec = parts[0]["shard"]
-    return pieces[0] if spec is None else unshard(pieces, spec)
+    def __contains__(self, name: str) -> bool:
+        return name in self.entries
+
+    def full(self, name: str) -> torch.Tensor:
+        """Concatenate each tensor-parallel slice's flat pieces, then join the slices."""
+        if name not in self.entries:
+            raise CheckpointError(f"tensor {name} is not in the checkpoint")
+        slices = {}
+        for e in self.entries[name]:
+            slices.setdefault(e["shard"]["index"] if e["shard"] else 0, []).append(e)
+        local = [self.local_slice(name, slices[i]) for i in sorted(slices)]
+        spec = self.entries[name][0]["shard"]
+        if spec is not None and len(local) != spec["count"]:
+            raise CheckpointError(f"{name}: {len(local)} of {spec['count']} tensor-parallel slices present")
+        return local[0] if spec is None else unshard(local, spec)
+
+    def local_slice(self, name: str, parts: list[dict]) -> torch.Tensor:
+        if parts[0]["flat"] is None:
+            return self.files[parts[0]["file"]]["tensors"][parts[0]["key"]]
+        parts = sorted(parts, key=lambda e: e["flat"][0])
+        numel, pos = math.prod(parts[0]["local_shape"]), 0
+        for e in parts:
+            if e["flat"][0] != pos:
+                raise CheckpointError(f"{name}: flat pieces leave a gap at element {pos}")
+            pos = e["flat"][1]
+        if pos != numel:
+            raise CheckpointError(f"{name}: flat pieces cover {pos} of {numel} elements")
+        flat = torch.cat([self.files[e["file"]]["tensors"][e["key"]] for e in parts])
+        return flat.view(parts[0]["local_shape"])
 
 
 def unshard(pieces: list[torch.Tensor], spec: dict) -> torch.Tensor:
@@ -324,31 +364,49 @@ def unshard(pieces: list[torch.Tensor], spec: dict) -> torch.Tensor:
 
 def load(path: Path, model, opt, grid, meta: dict) -> dict:
     """Load a verified checkpoint into this rank's model and optimizer; return the run state
-    ('extra', with 'step'). Tensors are cut from the full tensor for this rank's layout."""
+    ('extra', with 'step'). Every tensor is rebuilt whole, then cut to this rank's slice, so any
+    layout reads any other's checkpoint."""
     manifest = verify(path)
     check_compatible(manifest, meta, path)
-    files = load_rank_files(path, manifest)
+    reader = Reader(path, manifest)
+    extra = reader.files["rank00000.pt"]["extra"]
     params = dict(model.named_parameters())
     for name, p in params.items():
+        name = canonical_name(name)
+        value = reader.full(f"{name}::master" if f"{name}::master" in reader else name)
         with torch.no_grad():
-            p.copy_(local_part(full_tensor(name, manifest, files), p))
-    names = {e["name"] for e in manifest["tensors"]}
-    for name, p in params.items():
-        if f"{name}::exp_avg" in names:
-            opt.state[p] = {"step": full_tensor(f"{name}::step", manifest, files).reshape(()).clone(),
-                            "exp_avg": local_part(full_tensor(f"{name}::exp_avg", manifest, files), p),
-                            "exp_avg_sq": local_part(full_tensor(f"{name}::exp_avg_sq", manifest, files), p)}
-    mine = files.get(f"rank{grid.rank:05d}.pt") if manifest["layout"] == layout_of(grid) else None
+            p.copy_(local_part(value, p))
+    def state(name: str, p: torch.Tensor, kind: str) -> torch.Tensor | None:
+        key = f"{canonical_name(name)}::{kind}"
+        return local_part(reader.full(key), p, torch.float32) if key in reader else None
+
+    if hasattr(opt, "load_pieces"):
+        opt.load_pieces(model, state, extra["opt_step"])
+    else:
+        for name, p in params.items():
+            if state(name, p, "exp_avg") is not None:
+                opt.state[p] = {"step": torch.tensor(float(extra["opt_step"])),
+                                "exp_avg": state(name, p, "exp_avg"), "exp_avg_sq": state(name, p, "exp_avg_sq")}
+    mine = reader.files.get(f"rank{grid.rank:05d}.pt") if manifest["layout"] == layout_of(grid) else None
     if mine is not None:  # same layout: this rank continues its own random streams exactly
         set_rng_state(mine["rng"])
-    return files["rank00000.pt"]["extra"]
+    return extra
+
+
+def consolidate(path: Path) -> dict[str, torch.Tensor]:
+    """The full model's parameters from a checkpoint of any layout (fp32 master weights when the
+    run kept them)."""
+    manifest = verify(path)
+    reader = Reader(path, manifest)
+    names = [n for n in reader.entries if "::" not in n]
+    return {n: reader.full(f"{n}::master" if f"{n}::master" in reader else n).float() for n in names}
 
 
 def layout_of(grid) -> dict:
     return {"dp": grid.dp, "tp": grid.tp, "pp": grid.pp}
 
 
-def local_part(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+def local_part(full: torch.Tensor, p: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The slice of `full` that parameter p holds on this rank (p.shard says which)."""
     spec = getattr(p, "shard", None)
     if spec is not None:
@@ -359,7 +417,7 @@ def local_part(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     if full.shape != p.shape:
         raise CheckpointError(f"checkpoint tensor of shape {tuple(full.shape)} does not fit a parameter "
                               f"of shape {tuple(p.shape)}")
-    return full.to(device=p.device, dtype=p.dtype)
+    return full.to(device=p.device, dtype=dtype or p.dtype)
 
 
 # ----------------------------------------------------------------------------- command line
@@ -380,6 +438,8 @@ def inspect(path: Path) -> str:
     for e in manifest["tensors"]:
         spec = e["shard"]
         where = "whole" if spec is None else f"dim {spec['dim']} part {spec['index'] + 1}/{spec['count']}"
+        if e["flat"]:
+            where += f", elements [{e['flat'][0]}, {e['flat'][1]})"
         lines.append(f"  {e['name']:<44} {str(tuple(e['full_shape'])):<16} {e['dtype']:<9} {e['file']:<14} {where}")
     return "\n".join(lines)
 

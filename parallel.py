@@ -25,8 +25,26 @@ import torch.distributed as dist
 import model as gpt
 
 
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor; same collectives
+all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
 class LayoutError(ValueError):
     """An impossible parallel layout; raised before any work, printed as one line."""
+
+
+class PeerError(RuntimeError):
+    """A collective failed: a peer died, hung past --timeout, or the network broke."""
+
+
+def peer_call(fn, *args, **kwargs):
+    """Run a torch.distributed call; turn its failure into one PeerError line."""
+    try:
+        return fn(*args, **kwargs)
+    except RuntimeError as e:
+        lines = [ln for ln in str(e).splitlines() if ln.strip()] or [type(e).__name__]
+        raise PeerError(lines[0][:300]) from e
 
 
 class Traffic:
@@ -87,7 +105,7 @@ class Grid:
 
     def barrier(self) -> None:
         if self.world > 1:
-            dist.barrier()
+            peer_call(dist.barrier)
 
     def rank0_first(self, fn):
         """Run fn on rank 0, then on the others (e.g. prepare data once, then read the cache)."""
@@ -112,7 +130,7 @@ class Grid:
         if self.size(group) == 1:
             return None
         self.traffic.add("all_reduce", group, t.numel() * t.element_size())
-        return dist.all_reduce(t, op=op, group=self.groups.get(group), async_op=async_op)
+        return peer_call(dist.all_reduce, t, op=op, group=self.groups.get(group), async_op=async_op)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group: str, async_op: bool = False):
         """out = concat over the group's ranks of inp, along dim 0."""
@@ -120,7 +138,7 @@ class Grid:
             out.copy_(inp)
             return None
         self.traffic.add("all_gather", group, out.numel() * out.element_size())
-        return dist.all_gather_into_tensor(out, inp, group=self.groups.get(group), async_op=async_op)
+        return peer_call(all_gather_single, out, inp, group=self.groups.get(group), async_op=async_op)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group: str, async_op: bool = False):
         """out = this rank's dim-0 slice of the sum over the group of inp."""
@@ -128,7 +146,7 @@ class Grid:
             out.copy_(inp)
             return None
         self.traffic.add("reduce_scatter", group, inp.numel() * inp.element_size())
-        return dist.reduce_scatter_tensor(out, inp, group=self.groups.get(group), async_op=async_op)
+        return peer_call(reduce_scatter_single, out, inp, group=self.groups.get(group), async_op=async_op)
 
     def send_recv(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> None:
         """Point-to-point, posted together so that paired sends and receives cannot deadlock."""
@@ -138,8 +156,8 @@ class Grid:
         for t, _ in sends:
             self.traffic.add("send", "pp", t.numel() * t.element_size())
         if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+            for work in peer_call(dist.batch_isend_irecv, ops):
+                peer_call(work.wait)
 
     def __str__(self) -> str:
         lines = [f"grid: world {self.world} = dp {self.dp} x tp {self.tp} x pp {self.pp}"]
@@ -227,8 +245,11 @@ class GradSync:
                  zero: bool = False):
         self.grid, self.overlap, self.zero, self.sync = grid, overlap, zero, True
         params = [p for p in model.parameters() if p.requires_grad][::-1]
-        self.buckets, current, size = [], [], 0
-        for p in params:
+        # The pipeline's two copies of the tied embedding get a bucket each, alone, so that under
+        # ZeRO both copies are cut at the same element offsets and their shards can be summed.
+        tied = [p for p in params if getattr(p, "tied_copy", False) or getattr(p, "tied_embedding", False)]
+        self.buckets, current, size = [[p] for p in tied], [], 0
+        for p in (p for p in params if not any(p is t for t in tied)):
             current.append(p)
             size += p.numel() * 4
             if size >= bucket_mb * 2**20:
@@ -242,7 +263,7 @@ class GradSync:
             for p, off in zip(b.params, b.offsets):
                 self.slot[p] = (b, off)
                 p.register_post_accumulate_grad_hook(self._on_grad)
-        self.events = []  # (what, bucket index, seconds) of the last step: the overlap, measured
+        self.events, self.last_events = [], []  # (what, bucket, seconds): the overlap, measured
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         b, off = self.slot[p]
@@ -271,7 +292,7 @@ class GradSync:
                 self._launch(b)
         for b in self.buckets:
             if b.work is not None:
-                b.work.wait()
+                peer_call(b.work.wait)
             if self.zero:
                 lo = self.grid.dp_rank * b.shard_size
                 b.main_grad[lo:lo + b.shard_size].copy_(b.shard)
@@ -282,13 +303,13 @@ class GradSync:
             for p, view in b.views(b.main_grad):
                 p.grad = view
         self.events.append(("reduced", -1, time.perf_counter()))
+        self.last_events, self.events = self.events, []
 
     def zero_grad(self) -> None:
         for b in self.buckets:
             b.main_grad.zero_()
             for p in b.params:
                 p.grad = None
-        self.events = []
 
 
 class ZeroAdamW:
@@ -348,8 +369,32 @@ class ZeroAdamW:
         """Optimizer state held by this rank: master weights and both moments (fp32)."""
         return sum(st[k].numel() * 4 for st in self.shards for k in ("master", "exp_avg", "exp_avg_sq"))
 
+    def pieces(self, model: torch.nn.Module):
+        """(name, param, kind, (start, stop) within the param, tensor) for each part of this rank's
+        shards, so a checkpoint can store the state per parameter and reshard it."""
+        names = {id(p): n for n, p in model.named_parameters()}
+        for b, st in zip(self.sync.buckets, self.shards):
+            lo, hi = st["slice"].start, st["slice"].stop
+            for p, off in zip(b.params, b.offsets):
+                a, z = max(lo, off), min(hi, off + p.numel())
+                if a < z:
+                    for kind in ("master", "exp_avg", "exp_avg_sq"):
+                        yield names[id(p)], p, kind, (a - off, z - off), st[kind][a - lo:z - lo]
 
-# ----------------------------------------------------------------------------- model and gradients
+    @torch.no_grad()
+    def load_pieces(self, model: torch.nn.Module, state, t: int) -> None:
+        """Fill this rank's shards from full per-parameter state: state(name, p, kind) gives p's
+        slice in fp32, or None when the checkpoint has none (a master then starts from the
+        parameter, a moment from zero)."""
+        self.t = t
+        for name, p, kind, (a, z), dst in self.pieces(model):
+            src = state(name, p, kind)
+            if src is None and kind == "master":
+                src = p.detach().float()
+            if src is None:
+                dst.zero_()
+            else:
+                dst.copy_(src.flatten()[a:z])
 
 
 # ----------------------------------------------------------------------------- tensor parallel
@@ -834,6 +879,8 @@ def keep_stage(model: gpt.GPT, grid: Grid) -> None:
     h = model.transformer.h
     model.transformer.h = torch.nn.ModuleDict({str(i): h[i] for i in stage_layers(len(h), grid.pp, grid.pp_rank)})
     first, last = grid.pp_rank == 0, grid.pp_rank == grid.pp - 1
+    if first and not last:
+        model.transformer.wte.weight.tied_embedding = True  # its twin is the last stage's lm_head
     if not first:
         del model.transformer["wte"], model.transformer["wpe"]
     if not last:
@@ -911,3 +958,91 @@ def grad_norm(model: torch.nn.Module, grid: Grid, sync: GradSync | None = None) 
     for group in ("tp", "pp") + (("dp",) if sync is not None and sync.zero else ()):
         grid.all_reduce(sq, group)
     return sq.sqrt()
+
+
+# ----------------------------------------------------------------------------- measured against the papers
+
+
+def expected_traffic(cfg: gpt.GPTConfig, grid: Grid, micro_batch: int, n_micro: int, seq_len: int,
+                     sp: bool, sync: GradSync | None, model: torch.nn.Module) -> dict:
+    """Bytes this rank's collectives should move in one fp32 training step, by (op, group), from
+    the formulas: Megatron's 2 all-reduces forward + 2 backward per layer of B*T*C activations
+    (all-gather + reduce-scatter of the same volume under --sp), one activation send per
+    micro-batch each way between pipeline stages, and the data-parallel gradient volume."""
+    e = defaultdict(int)
+    first, last = grid.pp_rank == 0, grid.pp_rank == grid.pp - 1
+    layers = len(stage_layers(cfg.n_layer, grid.pp, grid.pp_rank))
+    btc, bt = micro_batch * seq_len * cfg.n_embd * 4, micro_batch * seq_len * 4
+    if grid.tp > 1:
+        per_micro = defaultdict(int)
+        if sp:
+            per_micro[("all_gather", "tp")] += 4 * layers * btc + (btc if first else 0) + (btc if last else 0)
+            per_micro[("reduce_scatter", "tp")] += 4 * layers * btc + (btc if last else 0)
+        else:
+            per_micro[("all_reduce", "tp")] += 4 * layers * btc + (btc if last else 0)
+        per_micro[("all_reduce", "tp")] += (btc if first else 0) + (3 * bt if last else 0)
+        for k, v in per_micro.items():
+            e[k] += n_micro * v
+        if sp:  # LayerNorm and row-parallel bias gradients, once per step
+            e[("all_reduce", "tp")] += 4 * sum(p.numel() for p in model.parameters()
+                                               if getattr(p, "sequence_parallel", False))
+    if grid.pp > 1:
+        act = btc // grid.tp if sp else btc
+        e[("send", "pp")] += n_micro * act * ((not last) + (not first))
+        if first or last:
+            e[("all_reduce", "embed")] += cfg.padded_vocab // grid.tp * cfg.n_embd * 4
+    if sync is not None and grid.dp > 1:
+        if sync.zero:
+            padded = sum(b.main_grad.numel() for b in sync.buckets)
+            e[("reduce_scatter", "dp")] += 4 * padded
+            e[("all_gather", "dp")] += padded * next(model.parameters()).element_size()
+        else:
+            e[("all_reduce", "dp")] += 4 * sum(b.numel for b in sync.buckets)
+    for group in ("tp", "pp") + (("dp",) if sync is not None and sync.zero else ()):
+        if grid.size(group) > 1:
+            e[("all_reduce", group)] += 4  # the squared gradient norm
+    for group in ("pp", "dp"):
+        if grid.size(group) > 1:
+            e[("all_reduce", group)] += 4  # the loss, for logging and the guards
+    return dict(e)
+
+
+def comm_report(grid: Grid, expected: dict) -> str:
+    """Measured bytes per (collective, group) next to the formula, and what a ring algorithm puts
+    on each rank's link: 2(n-1)/n of the buffer for an all-reduce, (n-1)/n for the others."""
+    lines = [f"communication of one training step on rank {grid.rank} (dp {grid.dp_rank}, tp {grid.tp_rank}, "
+             f"pp {grid.pp_rank}):",
+             f"  {'collective':<15}{'group':<7}{'calls':>6}{'measured bytes':>16}{'formula':>14}  "
+             f"{'match':<6}{'ring bytes/rank':>16}"]
+    for key in sorted(set(grid.traffic.counts) | set(expected)):
+        op, group = key
+        calls, measured = grid.traffic.counts.get(key, [0, 0])
+        n = grid.size(group)
+        ring = measured * (2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n if op != "send" else 1)
+        lines.append(f"  {op:<15}{group:<7}{calls:>6}{measured:>16,}{expected.get(key, 0):>14,}  "
+                     f"{'yes' if measured == expected.get(key, 0) else 'NO':<6}{ring:>16,.0f}")
+    return "\n".join(lines)
+
+
+def overlap_report(sync: GradSync) -> str:
+    """When each bucket's collective started relative to the end of the backward pass."""
+    events = sync.last_events
+    done = next(t for what, _, t in events if what == "backward done")
+    launches = [(i, t) for what, i, t in events if what == "launch"]
+    early = sum(1 for _, t in launches if t < done)
+    lines = [f"gradient buckets: {len(sync.buckets)}; launched before the backward finished: {early}"]
+    for i, t in launches:
+        lines.append(f"  bucket {i}: launched {1e3 * (t - done):+8.2f} ms from the end of the backward")
+    reduced = next(t for what, _, t in events if what == "reduced")
+    lines.append(f"  waiting for communication after the backward: {1e3 * (reduced - done):.2f} ms")
+    return "\n".join(lines)
+
+
+def zero_memory_report(opt, model: torch.nn.Module, grid: Grid) -> str:
+    """Optimizer state on this rank against the ZeRO paper's K = 12 bytes per parameter / dp."""
+    n = sum(p.numel() for p in model.parameters())
+    measured = opt.state_bytes() if isinstance(opt, ZeroAdamW) else 8 * n  # torch AdamW: two fp32 moments
+    formula = (12 if isinstance(opt, ZeroAdamW) else 8) * n / (grid.dp if isinstance(opt, ZeroAdamW) else 1)
+    return (f"optimizer state on rank {grid.rank}: {measured:,} bytes for {n:,} local parameters; "
+            f"formula {'12 N / dp' if isinstance(opt, ZeroAdamW) else '8 N'} = {formula:,.0f} "
+            f"(padding {measured - formula:,.0f} bytes)")

@@ -98,8 +98,9 @@ class TrainConfig:
                          "the mean of the last --spike-window losses, and 20%% above it, is a spike: "
                          "roll back to the last checkpoint and skip that batch")
     spike_window: int = arg(20, "losses the spike guard keeps statistics over")
-    crash_at: str = arg("", "fault injection for tests: 'step:N' SIGKILLs after step N, 'save:N' in the "
-                        "middle of the save at step N")
+    crash_at: str = arg("", "fault injection for tests: 'step:N' SIGKILLs the process after step N, "
+                        "'save:N' in the middle of the save at step N, 'rank:R:step:N' only rank R (only "
+                        "in a launcher's first attempt, so a restarted job runs through)")
     poison_step: int = arg(-1, "fault injection for tests: replace the batch of step N with random tokens")
     # parallelism (launch with torchrun; data-parallel degree = processes / (tp * pp))
     tp: int = arg(1, "tensor-parallel degree (ranks that split each layer)")
@@ -407,6 +408,7 @@ def train_step(run: Run) -> dict:
     """One optimizer step. The update is dropped when the loss or gradients are not finite
     (`skipped`) or the loss is a spike (`spike`: the caller rolls back)."""
     cfg, lr = run.cfg, lr_at(run.step, run.cfg)
+    run.grid.traffic.reset()  # count this step's bytes only
     batch_number, batch = run.batches_drawn, next_batch(run)
     if run.pipeline:
         set_sync(run, False)  # the pipeline turns it on before the last backward
@@ -467,7 +469,17 @@ def save(run: Run, saver: checkpoint.Saver) -> None:
     saver.save(run.step, model=run.model, opt=run.opt, grid=run.grid, extra={
         "scaler": run.scaler.state_dict(), "loader": run.loader.state_dict(),
         "batches_drawn": run.batches_drawn, "skip_batches": run.skip_batches, "guard": run.guard.history},
-        meta=checkpoint_meta(run), crash_mid_save=run.cfg.crash_at == f"save:{run.step}")
+        meta=checkpoint_meta(run), crash_mid_save=crash_due(run, f"save:{run.step}"))
+
+
+def crash_due(run: Run, event: str) -> bool:
+    """Is --crash-at asking this process to die at `event`?"""
+    spec = run.cfg.crash_at
+    if spec.startswith("rank:"):
+        _, rank, spec = spec.split(":", 2)
+        if int(rank) != run.grid.rank or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+            return False
+    return spec == event
 
 
 def checkpoint_meta(run: Run) -> dict:
@@ -519,6 +531,9 @@ def train(run: Run) -> dict:
         row.update(tokens_per_sec=tokens_per_step / dt, mfu=flops_per_step / dt / peak)
         if run.scaler.enabled:
             row["loss_scale"] = run.scaler.scale
+        if not last:  # the first step of this process: print what was asked for
+            for text in report(run):
+                bar.write(text)
         run.step += 1
         if run.step % cfg.eval_every == 0 or run.step == cfg.max_steps:
             row["val_loss"] = evaluate(run)
@@ -532,13 +547,40 @@ def train(run: Run) -> dict:
                         mfu=f"{row['mfu']:.1%}")
         if (cfg.ckpt_every and run.step % cfg.ckpt_every == 0) or run.step == cfg.max_steps:
             save(run, saver)
-        if cfg.crash_at == f"step:{run.step}":
+        if crash_due(run, f"step:{run.step}"):
             saver.wait()
             os.kill(os.getpid(), signal.SIGKILL)
         last = row
     bar.close()
     saver.wait()
     return last
+
+
+def report(run: Run) -> list[str]:
+    """--comm-report and --print-schedule: what the first step moved and how the pipeline ran.
+    Every rank takes part (the numbers are gathered); rank 0 gets the text."""
+    cfg, grid, out = run.cfg, run.grid, []
+    if cfg.comm_report:
+        expected = parallel.expected_traffic(run.model_cfg, grid, cfg.micro_batch_size,
+                                             cfg.batch_size // grid.dp // cfg.micro_batch_size, cfg.seq_len,
+                                             cfg.sp, run.sync, run.model)
+        text = parallel.comm_report(grid, expected)
+        wrong = torch.tensor(float(sum(grid.traffic.counts.get(k, [0, 0])[1] != v for k, v in expected.items())
+                                   + sum(k not in expected for k in grid.traffic.counts)))
+        grid.all_reduce(wrong, "world")
+        out.append(text + f"\nformula matches measurement on every rank: {'yes' if wrong == 0 else 'NO'}"
+                   + ("" if cfg.precision == "fp32" else " (the formula assumes fp32 activations)"))
+        if run.sync is not None:
+            out.append(parallel.overlap_report(run.sync))
+        out.append(parallel.zero_memory_report(run.opt, run.model, grid))
+    if cfg.print_schedule and run.pipeline:
+        ops = run.pipeline.all_stage_ops()
+        peaks = torch.zeros(grid.pp, dtype=torch.long)
+        grid.all_gather(peaks, torch.tensor([run.pipeline.peak_live]), "pp")
+        out.append(f"pipeline schedule {cfg.pp_schedule}, {len(ops)} stages, {len(ops[0]) // 2} micro-batches:\n"
+                   + parallel.draw_schedule(ops) + "\nmicro-batches of activations held at once, by stage: "
+                   + ", ".join(f"{s}: {int(n)}" for s, n in enumerate(peaks)))
+    return out if grid.is_logger else []
 
 
 def roll_back(run: Run, row: dict, saver: checkpoint.Saver, out: Path) -> int:
@@ -568,6 +610,10 @@ def main(argv=None) -> None:
             FloatingPointError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except parallel.PeerError as e:  # a dead or hung peer: one line instead of a traceback wall
+        print(f"error: a peer process failed or timed out ({e}); a restart resumes from the last "
+              "complete checkpoint in --out", file=sys.stderr)
+        sys.exit(3)
     finally:
         parallel.shutdown()
 

@@ -1,15 +1,63 @@
-"""Test-wide setup.
+"""Test-wide setup and helpers.
 
 TRITON_INTERPRET must be set before triton decorates any kernel (it decides at import time), so
 it is set here, before any test module imports kernels.py. Tests that compile kernels for real
 GPU targets run in a subprocess with the variable removed (see test_kernels_aot.py).
+
+`run_train` runs train.py as a user would: `python train.py ...` for one process, torchrun for
+several, on a small corpus with the byte tokenizer and the `tiny` model.
 """
 
+import json
 import os
+import subprocess
 import sys
+import sysconfig
 from pathlib import Path
+
+import pytest
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+# A tiny model on a tiny corpus: a step takes milliseconds, so a test can afford several runs.
+TINY = ["--preset", "tiny", "--tokenizer", "byte", "--seq-len", "32", "--batch-size", "8",
+        "--max-steps", "4", "--sample-tokens", "0", "--eval-every", "2", "--eval-batches", "1"]
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> dict:
+    """A ~150 kB text file of real Python source and a cache directory shared by the session."""
+    root = tmp_path_factory.mktemp("corpus")
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted((stdlib / "json").glob("*.py")) + sorted((stdlib / "email").glob("*.py"))[:12]
+    text = "\n\n".join(f.read_text() for f in files)
+    (root / "corpus.txt").write_text(text)
+    return {"data": str(root / "corpus.txt"), "cache": str(root / "cache")}
+
+
+def run_train(corpus: dict, out: Path, *flags: str, nproc: int = 1, check: bool = True,
+              timeout: float = 300, tiny: bool = True) -> subprocess.CompletedProcess:
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] \
+        if nproc > 1 else [sys.executable]
+    cmd = launcher + [str(ROOT / "train.py"), "--data", corpus["data"], "--cache-dir", corpus["cache"],
+                      "--out", str(out)] + (TINY if tiny else []) + list(flags)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    if check and result.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)}\nexit {result.returncode}\n{result.stdout[-3000:]}\n"
+                             f"{result.stderr[-5000:]}")
+    return result
+
+
+def metrics(out: Path) -> list[dict]:
+    """The per-step rows of metrics.jsonl (events such as spikes are left out)."""
+    rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "event" not in r]
+
+
+def final_weights(out: Path) -> dict:
+    import checkpoint
+    return checkpoint.consolidate(checkpoint.latest(Path(out) / "ckpt"))

@@ -1,0 +1,661 @@
+"""Data: text files in, token shards out, and batches that are the same on any number of GPUs.
+
+    files ──read──▶ documents ──clean──▶ kept documents ──tokenize──▶ [eot] doc [eot] doc ...
+    (stdlib, a file,  (one per file,     (NFC; drop binary, short,   (GPT-2 BPE via tiktoken,
+     a directory,      UTF-8 only)        repetitive; exact and      or raw bytes for tests)
+     a glob)                              near duplicates)
+          ──split by document──▶ train.bin, val.bin ──Loader──▶ (B, T+1) windows, step by step
+             (seeded)              (header + uint16 tokens,      (a seeded permutation per epoch,
+                                    cached under a hash of        fixed by the global batch)
+                                    everything that made them)
+
+Tokenizer. GPT-2 byte-pair encoding (BPE) starts from the 256 byte values and applies 50,000
+learned merges ("t"+"he" -> "the"), so common strings become one token. tiktoken runs it fast
+but downloads the merge ranks on first use; where that host is unreachable, the same file comes
+from the package index (inside the openai-whisper source distribution). Every route checks the
+file's sha256: a tokenizer that is silently different ruins a model.
+
+Cleaning. Duplicated text is memorized instead of learned, and leaks from train into val.
+Exact duplicates are found by hashing; near duplicates (a few words changed) by MinHash: the
+Jaccard similarity |A∩B|/|A∪B| of two documents' sets of 5-word shingles equals the chance that
+both sets have the same minimum under a random hash function. 128 functions give a signature,
+and the fraction of equal entries estimates the similarity. Locality-sensitive hashing (LSH)
+avoids comparing all pairs: cut the signature into b=16 bands of r=8 rows; documents equal in
+any band become candidates, with probability 1-(1-s^r)^b (6% at s=0.5, 95% at s=0.8), and each
+candidate pair is confirmed on the whole signature (>= near_dup_threshold, 0.8).
+
+Shards. One flat array of tokens per split behind a 24-byte header (magic, version, bytes per
+token, count), checked on open, so a truncated or foreign file fails loudly. A prepared
+directory is named by a hash of the source files (paths, sizes, mtimes), the tokenizer, the
+settings and FORMAT_VERSION, and appears atomically (written aside, then renamed).
+
+Loader. Window i is tokens[i*T : i*T+T+1] (inputs and their next-token targets in one row).
+Each epoch visits every window once, in a permutation seeded by (seed, epoch). A step takes the
+next global_batch windows and data-parallel rank r of w keeps rows [r*B/w, (r+1)*B/w): step s
+sees the same sequences however many ranks share it, and the position in the data is two small
+ints, all a checkpoint needs for an exact resume.
+"""
+
+import argparse
+import base64
+import hashlib
+import json
+import os
+import re
+import shutil
+import struct
+import subprocess
+import sys
+import sysconfig
+import tarfile
+import tempfile
+import time
+import unicodedata
+import urllib.request
+from dataclasses import asdict, dataclass, fields
+from glob import glob
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+DEFAULT_CACHE_DIR = Path.home() / ".cache" / "nanoscale"
+FORMAT_VERSION = 1  # bump when the same settings would now give different shards
+EOT_TEXT = "<|endoftext|>"
+
+
+class DataError(ValueError):
+    """Missing, empty or corrupt data. The message says what is wrong and what to do."""
+
+
+# ---------------------------------------------------------------------------------------------- tokenizers
+
+class Tokenizer:
+    """What the rest of the code needs from a tokenizer."""
+    name: str  # "gpt2" or "byte"
+    vocab_size: int
+    eot: int  # id of <|endoftext|>, which separates documents
+
+    def encode(self, text: str) -> list[int]:  # ordinary text: "<|endoftext|>" in it is just characters
+        raise NotImplementedError
+
+    def decode(self, ids) -> str:
+        raise NotImplementedError
+
+    def identity(self) -> str:  # saved in checkpoints: a model is only valid with its own tokenizer
+        raise NotImplementedError
+
+    def encode_many(self, texts: list[str]) -> list[np.ndarray]:
+        """Encode documents in bulk (prepare calls this; subclasses make it fast)."""
+        return [np.asarray(self.encode(t), dtype=np.int64) for t in texts]
+
+
+class ByteTokenizer(Tokenizer):
+    """Token = one UTF-8 byte (0..255), and 256 = <|endoftext|>. Needs no file: for tiny tests."""
+    name, vocab_size, eot = "byte", 257, 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def encode_many(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
+
+    def decode(self, ids) -> str:
+        ids = [i for i in map(int, ids) if 0 <= i <= self.eot]  # ignore ids past the vocabulary
+        pieces = [EOT_TEXT.encode() if i == self.eot else bytes([i]) for i in ids]
+        return b"".join(pieces).decode("utf-8", errors="replace")  # a sample may end mid-character
+
+    def identity(self) -> str:
+        return "byte:v1"
+
+
+GPT2_URL = "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken"  # r50k_base == GPT-2
+GPT2_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
+GPT2_SDIST, GPT2_SDIST_MEMBER = "openai-whisper==20250625", "whisper/assets/gpt2.tiktoken"
+# the pre-tokenizer of openai/gpt-2's encoder.py: text is cut into these pieces, then BPE runs inside each
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
+class GPT2Tokenizer(Tokenizer):
+    name, vocab_size, eot = "gpt2", 50257, 50256
+
+    def __init__(self, ranks: bytes):
+        import tiktoken
+        # the ranks file has one "base64(token bytes) rank" per line; lower ranks merge first
+        pairs = (line.split() for line in ranks.splitlines() if line)
+        merges = {base64.b64decode(tok): int(rank) for tok, rank in pairs}
+        self.enc = tiktoken.Encoding(name="gpt2", pat_str=GPT2_PATTERN, mergeable_ranks=merges,
+                                     special_tokens={EOT_TEXT: self.eot}, explicit_n_vocab=self.vocab_size)
+
+    def encode(self, text: str) -> list[int]:
+        return self.enc.encode_ordinary(text)
+
+    def encode_many(self, texts: list[str]) -> list[np.ndarray]:
+        batch = self.enc.encode_ordinary_batch(texts, num_threads=os.cpu_count() or 1)  # Rust, in parallel
+        return [np.asarray(ids, dtype=np.uint32) for ids in batch]
+
+    def decode(self, ids) -> str:
+        return self.enc.decode([i for i in map(int, ids) if 0 <= i < self.vocab_size])
+
+    def identity(self) -> str:
+        return f"gpt2:sha256={GPT2_SHA256[:16]}"
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)  # readers see no file or the whole file, never half of it
+
+
+def _download(url: str, timeout: float = 5) -> bytes:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return response.read()
+
+
+def _gpt2_ranks_from_pip() -> bytes:
+    """Many clusters reach only a package index: the whisper sdist there carries the same file."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--quiet",
+               "--disable-pip-version-check", "--dest", tmp, GPT2_SDIST]
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if run.returncode != 0:
+            raise RuntimeError((run.stderr.strip().splitlines() or ["pip failed"])[-1])
+        with tarfile.open(next(Path(tmp).glob("*.tar.gz"))) as tar:
+            member = next(m for m in tar.getmembers() if m.name.endswith("/" + GPT2_SDIST_MEMBER))
+            return tar.extractfile(member).read()
+
+
+def gpt2_ranks(cache_dir: str | Path) -> bytes:
+    """The GPT-2 BPE ranks, sha256-checked: from <cache_dir>/gpt2.tiktoken, else the URL, else pip."""
+    path = Path(cache_dir) / "gpt2.tiktoken"
+    if path.exists():
+        data = path.read_bytes()
+        if _sha256(data) == GPT2_SHA256:
+            return data
+        print(f"data: {path} has the wrong sha256; fetching it again", file=sys.stderr)
+    failures = []
+    for route, fetch in ((f"downloading {GPT2_URL}", lambda: _download(GPT2_URL)),
+                         (f"pip download {GPT2_SDIST} (it ships {GPT2_SDIST_MEMBER})", _gpt2_ranks_from_pip)):
+        print(f"data: fetching the GPT-2 tokenizer: {route}", file=sys.stderr)
+        try:
+            data = fetch()
+        except Exception as e:  # any failure just means: try the next route
+            failures.append(f"{route}: {e}")
+            continue
+        if _sha256(data) == GPT2_SHA256:
+            _write_atomic(path, data)
+            return data
+        failures.append(f"{route}: wrong sha256 {_sha256(data)}")
+    raise DataError(f"could not get the GPT-2 tokenizer ({'; '.join(failures)}). Place r50k_base.tiktoken "
+                    f"(sha256 {GPT2_SHA256}) at {path}, or use --tokenizer byte")
+
+
+def get_tokenizer(name: str, cache_dir: str | Path | None = None) -> Tokenizer:
+    if name == "byte":
+        return ByteTokenizer()
+    if name == "gpt2":
+        return GPT2Tokenizer(gpt2_ranks(cache_dir or DEFAULT_CACHE_DIR))
+    raise DataError(f"unknown tokenizer {name!r}: choose gpt2 or byte")
+
+
+# ---------------------------------------------------------------------------------------------- sources
+
+SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+SOURCE_HELP = "'stdlib' (Python's own .py files), 'shakespeare', a text file, a directory (recursive), a glob"
+
+
+def shakespeare_file(cache_dir: str | Path) -> Path:
+    path = Path(cache_dir) / "shakespeare.txt"
+    if not path.exists():
+        print(f"data: downloading {SHAKESPEARE_URL}", file=sys.stderr)
+        try:
+            _write_atomic(path, _download(SHAKESPEARE_URL))
+        except Exception as e:
+            raise DataError(f"could not download Tiny Shakespeare ({e}). Fetch {SHAKESPEARE_URL} "
+                            f"elsewhere and place it at {path}, or pass any text file with --data") from None
+    return path
+
+
+def find_files(source: str, cache_dir: str | Path) -> list[Path]:
+    """The files a source names, sorted (the order decides which of two duplicates is kept)."""
+    if source == "stdlib":  # the standard library that ships with this Python, not installed packages
+        files = []
+        for folder, subfolders, names in os.walk(sysconfig.get_paths()["stdlib"]):
+            subfolders[:] = [s for s in subfolders if s not in ("site-packages", "dist-packages")]
+            files += [Path(folder, n) for n in names if n.endswith(".py")]
+    elif source == "shakespeare":
+        files = [shakespeare_file(cache_dir)]
+    elif any(c in source for c in "*?["):
+        files = [Path(p) for p in glob(os.path.expanduser(source), recursive=True)]
+    else:
+        path = Path(source).expanduser()
+        if not path.exists():
+            raise DataError(f"--data {source}: no such file or directory (expected {SOURCE_HELP})")
+        hidden = lambda p: any(s.startswith(".") for s in p.relative_to(path).parts)  # .git and the like
+        files = [p for p in path.rglob("*") if not hidden(p)] if path.is_dir() else [path]
+    files = sorted(p for p in files if p.is_file())
+    if not files:
+        raise DataError(f"--data {source}: no files there (expected {SOURCE_HELP})")
+    return files
+
+
+def split_long_text(text: str, chars: int = 4096) -> list[str]:
+    """Cut a text into documents of about `chars` characters at blank lines. A corpus that is one
+    file (Tiny Shakespeare) would otherwise be one document: nothing to dedup, nothing for val."""
+    docs, part, size = [], [], 0
+    for paragraph in text.split("\n\n"):
+        part.append(paragraph)
+        size += len(paragraph) + 2
+        if size >= chars:
+            docs.append("\n\n".join(part))
+            part, size = [], 0
+    return docs + ["\n\n".join(part)] if part else docs
+
+
+def read_documents(files: list[Path], explicit_file: bool, stats: dict) -> list[str]:
+    """One document per file. A file that is not UTF-8 is skipped and counted, unless it was named
+    on its own: then it is surely a mistake, and an error."""
+    docs = []
+    for path in files:
+        raw = path.read_bytes()
+        stats["bytes"] += len(raw)
+        try:
+            docs.append(raw.decode("utf-8-sig"))  # -sig: drop a byte-order mark
+        except UnicodeDecodeError as e:
+            if explicit_file:
+                raise DataError(f"{path} is not UTF-8 text (byte {raw[e.start]:#x} at offset {e.start}): "
+                                f"convert it (e.g. iconv -t utf-8) or pass another file") from None
+            stats["removed"]["not_utf8"] += 1
+    return split_long_text(docs[0]) if len(files) == 1 and docs else docs
+
+
+# ---------------------------------------------------------------------------------------------- cleaning
+
+@dataclass
+class DataConfig:
+    source: str = "stdlib"
+    tokenizer: str = "gpt2"
+    cache_dir: str = str(DEFAULT_CACHE_DIR)
+    val_fraction: float = 0.01
+    seed: int = 1234
+    dedup: bool = True
+    near_dup_threshold: float = 0.8
+    min_chars: int = 64
+    max_repeated: float = 0.6
+    max_control: float = 0.1
+
+
+FLAGS = {  # DataConfig field: (command-line flag, what it means)
+    "source": ("--data", SOURCE_HELP),
+    "tokenizer": ("--tokenizer", "gpt2 (GPT-2 BPE through tiktoken) or byte (one token per byte)"),
+    "cache_dir": ("--cache-dir", "where the tokenizer file and the prepared shards live"),
+    "val_fraction": ("--val-fraction", "fraction of the documents held out for validation"),
+    "seed": ("--seed", "seed of the train/val split"),
+    "dedup": ("--dedup", "remove exact and near duplicates"),
+    "near_dup_threshold": ("--near-dup-threshold", "drop a document whose MinHash-estimated Jaccard "
+                           "similarity (sets of 5-word shingles) to an earlier one is at least this"),
+    "min_chars": ("--min-chars", "drop documents shorter than this (whitespace stripped)"),
+    "max_repeated": ("--max-repeated", "drop documents with more than this fraction of their characters "
+                     "in lines that repeat an earlier line"),
+    "max_control": ("--max-control", "drop documents with more than this fraction of control characters "
+                    "(binary)"),
+}
+FILTERS = ("not_utf8", "binary", "too_short", "repeated_lines", "exact_dup", "near_dup")
+CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")  # control characters other than \t \n \r
+SHINGLE, NUM_PERM, BANDS = 5, 128, 16  # 5-word shingles; 128 hash functions = 16 bands x 8 rows
+
+
+def repeated_fraction(text: str) -> float:
+    """The fraction of non-blank characters in lines that repeat an earlier line."""
+    seen, repeated, total = set(), 0, 0
+    for line in text.splitlines():
+        if line.strip():
+            total += len(line)
+            repeated += len(line) if line in seen else 0
+            seen.add(line)
+    return repeated / max(total, 1)
+
+
+def quality_problem(text: str, cfg: DataConfig) -> str | None:
+    """The name of the first quality filter a document fails, or None."""
+    if len(CONTROL.findall(text)) > cfg.max_control * len(text):
+        return "binary"
+    if len(text.strip()) < cfg.min_chars:
+        return "too_short"
+    if repeated_fraction(text) > cfg.max_repeated:
+        return "repeated_lines"
+    return None
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer: scrambles uint64s so that nearby inputs give unrelated outputs."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def shingle_hashes(text: str, word_ids: dict[str, int]) -> np.ndarray:
+    """Hashes of the set of a document's overlapping 5-word windows. Words are split at whitespace
+    and numbered in word_ids, shared by all documents (Python's hash() changes from run to run)."""
+    ids = np.fromiter((word_ids.setdefault(w, len(word_ids)) for w in text.split()), dtype=np.uint64)
+    ids = np.pad(ids, (0, max(0, SHINGLE - len(ids))))  # a very short document is one shingle
+    n = len(ids) - SHINGLE + 1
+    h = np.zeros(n, dtype=np.uint64)
+    for k in range(SHINGLE):  # h = mix(...mix(mix(w0) ^ w1)... ^ w4): word order matters
+        h = _mix64(h ^ ids[k:k + n])
+    return np.unique(h)
+
+
+def minhash_signatures(docs: list[str], verbose: bool = False) -> np.ndarray:
+    """(n_docs, NUM_PERM) uint64: for each hash function a*h+b (mod 2^64; a odd, so it permutes all
+    uint64s) the minimum over the document's shingles."""
+    rng = np.random.default_rng(0)  # fixed: the same text always gets the same signature
+    a = rng.integers(0, 2**63, NUM_PERM, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+    b = rng.integers(0, 2**63, NUM_PERM, dtype=np.uint64)
+    sig = np.full((len(docs), NUM_PERM), np.iinfo(np.uint64).max, dtype=np.uint64)
+    word_ids: dict[str, int] = {}
+    for i, text in enumerate(tqdm(docs, desc="minhash", unit="doc", disable=not verbose, file=sys.stderr)):
+        h = shingle_hashes(text, word_ids)
+        for s in range(0, len(h), 4096):  # chunks keep the (NUM_PERM, chunk) product small
+            sig[i] = np.minimum(sig[i], (a[:, None] * h[None, s:s + 4096] + b[:, None]).min(axis=1))
+    return sig
+
+
+def near_duplicates(sig: np.ndarray, threshold: float) -> set[int]:
+    """The documents to drop: each is >= threshold similar to an earlier document that is kept."""
+    rows = sig.shape[1] // BANDS
+    candidates = set()
+    for band in range(BANDS):  # LSH: documents with an equal band of their signature share a bucket
+        buckets: dict[bytes, list[int]] = {}
+        for i, key in enumerate(sig[:, band * rows:(band + 1) * rows]):
+            buckets.setdefault(key.tobytes(), []).append(i)
+        candidates |= {(i, j) for docs in buckets.values() for i in docs for j in docs if i < j}
+    drop: set[int] = set()
+    for i, j in sorted(candidates, key=lambda pair: pair[::-1]):  # by j, so whether i is kept is settled
+        if i not in drop and j not in drop and np.mean(sig[i] == sig[j]) >= threshold:
+            drop.add(j)
+    return drop
+
+
+def clean(docs: list[str], cfg: DataConfig, stats: dict, verbose: bool = False) -> list[str]:
+    """Normalize, filter and deduplicate; what each filter removed is counted in stats["removed"]."""
+    normalized = [unicodedata.normalize("NFC", d) for d in docs]  # one spelling per character: é, not e+´
+    stats["nfc_changed"] = sum(n != d for n, d in zip(normalized, docs, strict=True))
+    kept, seen = [], set()
+    for text in normalized:
+        problem = quality_problem(text, cfg)
+        digest = hashlib.blake2b(text.encode(), digest_size=16).digest()
+        if problem is None and cfg.dedup and digest in seen:
+            problem = "exact_dup"
+        if problem:
+            stats["removed"][problem] += 1
+        else:
+            seen.add(digest)
+            kept.append(text)
+    if cfg.dedup and len(kept) > 1:
+        drop = near_duplicates(minhash_signatures(kept, verbose), cfg.near_dup_threshold)
+        stats["removed"]["near_dup"] += len(drop)
+        kept = [d for i, d in enumerate(kept) if i not in drop]
+    return kept
+
+
+def split_documents(n: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """Train and val document indices, each sorted. Split by document, not by token, so no document
+    straddles the two; at least one val document whenever there are two documents."""
+    order = np.random.default_rng(seed).permutation(n)
+    n_val = 0 if val_fraction <= 0 or n < 2 else min(n - 1, max(1, round(val_fraction * n)))
+    return sorted(order[n_val:].tolist()), sorted(order[:n_val].tolist())
+
+
+# ---------------------------------------------------------------------------------------------- shards
+
+MAGIC, SHARD_VERSION = b"NSTOKENS", 1
+HEADER = struct.Struct("<8sIIQ")  # magic, version, bytes per token, token count: 24 bytes
+
+
+def write_tokens(path: str | Path, tokens: np.ndarray) -> None:
+    with open(path, "wb") as f:
+        f.write(HEADER.pack(MAGIC, SHARD_VERSION, tokens.dtype.itemsize, len(tokens)))
+        f.write(np.ascontiguousarray(tokens).tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def load_tokens(path: str | Path) -> np.ndarray:
+    """The tokens of one shard as a read-only memmap, after checking its header against the file."""
+    path = Path(path)
+    damaged = path.parent if (path.parent / "meta.json").exists() else path  # a prepared dir, or a lone file
+    redo = f"delete {damaged} and prepare the data again (python data.py --help)"
+    if not path.is_file():
+        raise DataError(f"{path}: token shard not found; {redo}")
+    with open(path, "rb") as f:
+        head = f.read(HEADER.size)
+    if len(head) < HEADER.size or head[:8] != MAGIC:
+        raise DataError(f"{path}: not a token shard (bad magic); {redo}")
+    _, version, itemsize, count = HEADER.unpack(head)
+    if version != SHARD_VERSION or itemsize not in (2, 4):
+        raise DataError(f"{path}: shard version {version} with {itemsize}-byte tokens, but this code reads "
+                        f"version {SHARD_VERSION} with 2- or 4-byte tokens; {redo}")
+    size, expected = path.stat().st_size, HEADER.size + count * itemsize
+    if size != expected:
+        what = "truncated" if size < expected else "longer than its header says"
+        raise DataError(f"{path}: {what} ({size} bytes, {expected} expected for {count} tokens); {redo}")
+    dtype = np.uint16 if itemsize == 2 else np.uint32
+    if count == 0:
+        return np.zeros(0, dtype=dtype)  # mmap cannot map zero bytes
+    return np.memmap(path, dtype=dtype, mode="r", offset=HEADER.size, shape=(count,))
+
+
+def cache_key(cfg: DataConfig, files: list[Path], tok: Tokenizer) -> str:
+    """A hash of everything the prepared shards depend on: change any of it and they are rebuilt."""
+    settings = {k: v for k, v in asdict(cfg).items() if k not in ("cache_dir", "tokenizer")}
+    source = [(str(p.resolve()), st.st_size, st.st_mtime_ns) for p in files for st in [p.stat()]]
+    blob = json.dumps([FORMAT_VERSION, tok.identity(), settings, source], sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def tokenize(tok: Tokenizer, docs: list[str], verbose: bool = False) -> list[np.ndarray]:
+    out = []
+    with tqdm(total=sum(map(len, docs)), desc="tokenize", unit="char", unit_scale=True,
+              disable=not verbose, file=sys.stderr) as bar:
+        for s in range(0, len(docs), 64):  # in batches: tiktoken's threads get work, and the bar moves
+            out += tok.encode_many(docs[s:s + 64])
+            bar.update(sum(map(len, docs[s:s + 64])))
+    return out
+
+
+def join_documents(token_lists: list[np.ndarray], eot: int, dtype: np.dtype) -> np.ndarray:
+    """[eot] doc [eot] doc ...: each document starts right after <|endoftext|>, as sampling does."""
+    sep = np.array([eot], dtype=dtype)
+    parts = [a for t in token_lists for a in (sep, t)]
+    return np.concatenate(parts, dtype=dtype) if parts else sep[:0]
+
+
+def publish(tmp: Path, out: Path) -> None:
+    """Rename a finished temporary directory to `out`: readers see all of it or nothing."""
+    if out.exists():  # another process finished first (keep its copy), or a stale dir without meta.json
+        shutil.rmtree(tmp if (out / "meta.json").exists() else out)
+    if tmp.exists():
+        os.replace(tmp, out)
+
+
+def prepare(cfg: DataConfig, verbose: bool = True, force: bool = False) -> Path:
+    """Read, clean, tokenize, split and write a source once; later calls return the cached directory."""
+    if not 0 <= cfg.val_fraction < 1:
+        raise DataError(f"val fraction {cfg.val_fraction} must be in [0, 1)")
+    say = print if verbose else lambda *a, **k: None
+    tok = get_tokenizer(cfg.tokenizer, cfg.cache_dir)
+    files = find_files(cfg.source, cfg.cache_dir)
+    name = next((s for s in reversed(Path(cfg.source).parts) if not any(c in s for c in "*?[")), "data")
+    label = re.sub(r"[^A-Za-z0-9_.-]+", "_", name)[:40]
+    out = Path(cfg.cache_dir) / f"{label}-{tok.name}-{cache_key(cfg, files, tok)}"
+    if force and out.exists():
+        shutil.rmtree(out)
+    if (out / "meta.json").exists():
+        say(f"data: using prepared {out}")
+        return out
+
+    say(f"data: preparing {cfg.source} ({len(files)} files) with the {tok.name} tokenizer")
+    start, seconds = time.perf_counter(), {}
+
+    def lap(stage: str) -> None:  # seconds since the previous lap
+        seconds[stage] = time.perf_counter() - start - sum(seconds.values())
+
+    stats = {"files": len(files), "bytes": 0, "removed": dict.fromkeys(FILTERS, 0), "seconds": seconds}
+    docs = read_documents(files, len(files) == 1 and Path(cfg.source).expanduser().is_file(), stats)
+    stats["documents"] = len(docs)
+    lap("read")
+    docs = clean(docs, cfg, stats, verbose)
+    if not docs:
+        raise DataError(f"--data {cfg.source}: no documents left after cleaning (removed: "
+                        f"{stats['removed']}); give more text, or relax the filters (python data.py --help)")
+    lap("clean")
+    token_lists = tokenize(tok, docs, verbose)
+    lap("tokenize")
+    dtype = np.dtype(np.uint16 if tok.vocab_size <= 2**16 else np.uint32)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    tmp.chmod(0o755)  # mkdtemp makes it private; shards are no secret
+    train, val = split_documents(len(docs), cfg.val_fraction, cfg.seed)
+    for split, idx in (("train", train), ("val", val)):
+        tokens = join_documents([token_lists[i] for i in idx], tok.eot, dtype)
+        write_tokens(tmp / f"{split}.bin", tokens)
+        stats[f"{split}_docs"], stats[f"{split}_tokens"] = len(idx), len(tokens)
+    lap("write")
+    seconds["total"] = time.perf_counter() - start
+    stats["kept"] = len(docs)
+    meta = dict(format=FORMAT_VERSION, source=cfg.source, config=asdict(cfg), tokenizer=tok.identity(),
+                vocab_size=tok.vocab_size, eot=tok.eot, dtype=dtype.name, stats=stats)
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))  # written last: marks the directory complete
+    publish(tmp, out)
+    say(f"data: kept {stats['kept']} of {stats['documents']} documents: {stats['train_tokens']:,} train and "
+        f"{stats['val_tokens']:,} val tokens in {seconds['total']:.1f}s -> {out}")
+    return out
+
+
+def report(meta: dict) -> str:
+    """What prepare kept and removed, as a small table."""
+    s, sec, cfg = meta["stats"], meta["stats"]["seconds"], meta["config"]
+    why = dict(not_utf8="not UTF-8 (skipped)", binary=f"binary (> {cfg['max_control']:.0%} control chars)",
+               too_short=f"too short (< {cfg['min_chars']} chars)", exact_dup="exact duplicates",
+               repeated_lines=f"repeated lines (> {cfg['max_repeated']:.0%} of the chars)",
+               near_dup=f"near duplicates (Jaccard >= {cfg['near_dup_threshold']})")
+    tokens = s["train_tokens"] + s["val_tokens"]
+    return "\n".join([
+        f"source     {meta['source']}: {s['files']} files, {s['bytes'] / 1e6:.1f} MB, {s['documents']} docs",
+        f"tokenizer  {meta['tokenizer']} (vocab {meta['vocab_size']}, eot {meta['eot']}, {meta['dtype']})",
+        *[f"removed    {n:6d}  {why[k]}" for k, n in s["removed"].items()],
+        f"NFC        {s['nfc_changed']:6d}  documents changed by Unicode normalization",
+        f"kept       {s['kept']:6d}  documents: {s['train_docs']} train, {s['val_docs']} val",
+        f"tokens     {s['train_tokens']:,} train, {s['val_tokens']:,} val",
+        f"time       {sec['total']:.1f} s = read {sec['read']:.1f} + clean {sec['clean']:.1f} + tokenize "
+        f"{sec['tokenize']:.1f} + write {sec['write']:.1f}",
+        f"speed      {s['bytes'] / 1e6 / sec['total']:.1f} MB/s overall; tokenizing "
+        f"{tokens / max(sec['tokenize'], 1e-6) / 1e6:.1f}M tokens/s"])
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+def _check_batch(seq_len: int, global_batch: int, rank: int, world: int) -> None:
+    if seq_len < 1 or global_batch < 1:
+        raise DataError(f"seq_len {seq_len} and batch size {global_batch} must be positive")
+    if global_batch % world or not 0 <= rank < world:
+        raise DataError(f"global batch {global_batch} must split evenly over {world} data-parallel ranks "
+                        f"(and rank {rank} must be < {world})")
+
+
+def _too_small(split: str, n_tokens: int, seq_len: int, global_batch: int) -> str:
+    return (f"the {split} split has {n_tokens:,} tokens, but one batch of {global_batch} sequences x seq_len "
+            f"{seq_len} needs at least {global_batch * seq_len + 1:,}: use more data (for val: a larger val "
+            f"fraction), or a smaller batch size or seq_len")
+
+
+def _windows(tokens: np.ndarray, idx: np.ndarray, seq_len: int) -> torch.Tensor:
+    rows = idx[:, None] * seq_len + np.arange(seq_len + 1)  # (b, T+1) positions: window i starts at i*T
+    return torch.from_numpy(np.array(tokens[rows], dtype=np.int64))  # (b, T+1)
+
+
+class Loader:
+    """Every window once per epoch, in a seeded order fixed by the *global* batch (see the top)."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, global_batch: int, seed: int,
+                 rank: int = 0, world: int = 1):
+        _check_batch(seq_len, global_batch, rank, world)
+        self.tokens, self.seq_len, self.global_batch, self.seed = tokens, seq_len, global_batch, seed
+        self.rank, self.world = rank, world
+        self.windows_per_epoch = max(0, (len(tokens) - 1) // seq_len)
+        if self.windows_per_epoch < global_batch:
+            raise DataError(_too_small("train", len(tokens), seq_len, global_batch))
+        self.epoch, self.position = 0, 0  # position: how many of this epoch's windows are used
+        self._order_epoch, self._order = -1, np.empty(0, dtype=np.int64)
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The window order of an epoch: a permutation seeded by (seed, epoch) alone."""
+        if epoch != self._order_epoch:
+            self._order = np.random.default_rng([self.seed, epoch]).permutation(self.windows_per_epoch)
+            self._order_epoch = epoch
+        return self._order
+
+    def next_batch(self) -> torch.Tensor:
+        if self.position + self.global_batch > self.windows_per_epoch:  # too few left for a whole step
+            self.epoch, self.position = self.epoch + 1, 0
+        per_rank = self.global_batch // self.world
+        start = self.position + self.rank * per_rank
+        self.position += self.global_batch  # every rank moves on by the whole global batch
+        idx = self.order(self.epoch)[start:start + per_rank]
+        return _windows(self.tokens, idx, self.seq_len)  # (B/w, T+1)
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "seq_len": self.seq_len,
+                "global_batch": self.global_batch, "windows_per_epoch": self.windows_per_epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key in ("seed", "seq_len", "global_batch", "windows_per_epoch"):
+            if state[key] != getattr(self, key):
+                raise DataError(f"the saved data position is for {key}={state[key]} but this run has "
+                                f"{getattr(self, key)}: resume with the same data and settings")
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+
+def eval_batches(tokens: np.ndarray, seq_len: int, global_batch: int, n_batches: int,
+                 rank: int = 0, world: int = 1) -> list[torch.Tensor]:
+    """The first n_batches global batches of windows, in order: the same at every evaluation."""
+    _check_batch(seq_len, global_batch, rank, world)
+    available = max(0, (len(tokens) - 1) // seq_len) // global_batch
+    if available == 0:
+        raise DataError(_too_small("validation", len(tokens), seq_len, global_batch))
+    per_rank = global_batch // world
+    starts = [k * global_batch + rank * per_rank for k in range(min(max(n_batches, 1), available))]
+    return [_windows(tokens, np.arange(s, s + per_rank), seq_len) for s in starts]
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="Prepare a corpus (clean, deduplicate, tokenize, split) into "
+                                "cached token shards, and report what was kept.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for f in fields(DataConfig):
+        flag, meaning = FLAGS[f.name]
+        is_bool = isinstance(f.default, bool)
+        kind = dict(action=argparse.BooleanOptionalAction) if is_bool else dict(type=type(f.default))
+        p.add_argument(flag, dest=f.name, default=f.default, help=meaning, **kind)
+    p.add_argument("--force", action="store_true", help="prepare again even if cached")
+    args = vars(p.parse_args(argv))
+    force = args.pop("force")
+    try:
+        out = prepare(DataConfig(**args), verbose=True, force=force)
+    except DataError as e:
+        sys.exit(f"data: error: {e}")
+    print(report(json.loads((out / "meta.json").read_text())))
+    print(f"shards     {out / 'train.bin'}, {out / 'val.bin'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""Every parallel layout reproduces the single-process run (DESIGN.md, principle 4).
+
+Each layout runs the same command (fp32, gloo, CPU, the tiny model) under torchrun and must give
+the same loss and gradient norm at every step, the same validation loss and, once the
+checkpoint is consolidated, the same final weights. The runs also print the communication
+report, whose measured bytes must equal the papers' formulas on every rank.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import ROOT, TINY, final_weights, metrics, run_train
+
+import parallel
+
+STEPS = ["--max-steps", "4", "--ckpt-every", "0"]
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("single")
+    run_train(corpus, out, *STEPS)
+    return metrics(out), final_weights(out)
+
+
+def assert_same_run(reference, out):
+    ref_rows, ref_weights = reference
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [r["step"] for r in ref_rows]
+    for ref, got in zip(ref_rows, rows):
+        assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5), f"step {got['step']} loss"
+        assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4), f"step {got['step']} grad norm"
+        if "val_loss" in ref:
+            assert got["val_loss"] == pytest.approx(ref["val_loss"], rel=1e-5)
+    weights = final_weights(out)
+    assert weights.keys() == ref_weights.keys()
+    for name, w in ref_weights.items():
+        torch.testing.assert_close(weights[name], w, rtol=1e-4, atol=1e-5, msg=name)
+
+
+LAYOUTS = {
+    "dp2": (2, []),
+    "dp4-accum": (4, ["--micro-batch-size", "1"]),
+    "dp2-zero1": (2, ["--zero", "1", "--bucket-mb", "0.05"]),
+    "dp4-zero1-accum": (4, ["--zero", "1", "--micro-batch-size", "1"]),
+    "tp2": (2, ["--tp", "2"]),
+    "tp4": (4, ["--tp", "4"]),
+    "tp2-sp": (2, ["--tp", "2", "--sp"]),
+    "tp4-sp": (4, ["--tp", "4", "--sp", "--micro-batch-size", "4"]),
+    "tp2xdp2": (4, ["--tp", "2", "--micro-batch-size", "2"]),
+    "pp2-gpipe": (2, ["--pp", "2", "--pp-schedule", "gpipe", "--micro-batch-size", "2"]),
+    "pp2-1f1b": (2, ["--pp", "2", "--micro-batch-size", "1"]),
+    "pp4-1f1b": (4, ["--pp", "4", "--micro-batch-size", "1"]),
+    "pp4-gpipe": (4, ["--pp", "4", "--pp-schedule", "gpipe", "--micro-batch-size", "2"]),
+    "tp2xpp2": (4, ["--tp", "2", "--pp", "2", "--micro-batch-size", "2"]),
+    "3d-2x2x2-sp-zero1": (8, ["--tp", "2", "--pp", "2", "--sp", "--zero", "1", "--micro-batch-size", "1"]),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layout_reproduces_single_process(layout, reference, corpus, tmp_path):
+    nproc, flags = LAYOUTS[layout]
+    result = run_train(corpus, tmp_path, *STEPS, *flags, "--comm-report", nproc=nproc)
+    assert_same_run(reference, tmp_path)
+    assert "formula matches measurement on every rank: yes" in result.stdout, result.stdout[-3000:]
+
+
+def test_gradient_buckets_overlap_the_backward(corpus, tmp_path):
+    """With overlap, buckets are launched while backward is still running; without, none are."""
+    flags = ["--max-steps", "1", "--comm-report", "--bucket-mb", "0.05"]
+    overlapped = run_train(corpus, tmp_path / "a", *flags, nproc=2).stdout
+    after = run_train(corpus, tmp_path / "b", *flags, "--no-overlap", nproc=2).stdout
+    n = int(overlapped.split("gradient buckets: ")[1].split(";")[0])
+    assert n > 2
+    assert f"launched before the backward finished: {n}" in overlapped
+    assert "launched before the backward finished: 0" in after
+
+
+def test_zero1_shards_optimizer_state(corpus, tmp_path):
+    out = run_train(corpus, tmp_path, "--max-steps", "1", "--comm-report", "--zero", "1", nproc=4).stdout
+    line = next(ln for ln in out.splitlines() if ln.startswith("optimizer state on rank 0"))
+    measured = int(line.split(": ")[1].split(" bytes")[0].replace(",", ""))
+    n = int(line.split("for ")[1].split(" local")[0].replace(",", ""))
+    assert "12 N / dp" in line
+    assert 12 * n / 4 <= measured <= 12 * n / 4 + 12 * 4 * 64  # at most dp-1 padding elements per bucket
+
+
+def test_pipeline_bubble_and_activation_memory(corpus, tmp_path):
+    for schedule, m in (("1f1b", 8), ("gpipe", 8)):
+        out = run_train(corpus, tmp_path / schedule, "--max-steps", "1", "--pp", "4", "--pp-schedule", schedule,
+                        "--micro-batch-size", "1", "--print-schedule", nproc=4).stdout
+        bubble = [ln for ln in out.splitlines() if ln.startswith("bubble")][0]
+        measured = float(bubble.split()[1])
+        assert measured == pytest.approx(3 / (m + 3), abs=1e-3), bubble
+        held = out.split("held at once, by stage: ")[1].splitlines()[0]
+        peaks = [int(x.split(": ")[1]) for x in held.split(", ")]
+        assert peaks == ([4 - r for r in range(4)] if schedule == "1f1b" else [m] * 4)
+
+
+def test_schedules_are_what_the_papers_say():
+    assert parallel.one_f_one_b(4, 0, 6)[:4] == [("F", 0), ("F", 1), ("F", 2), ("F", 3)]
+    assert parallel.one_f_one_b(4, 3, 6)[:2] == [("F", 0), ("B", 0)]
+    for p, m in ((2, 4), (4, 4), (4, 16), (3, 5)):
+        for schedule in (parallel.gpipe, parallel.one_f_one_b):
+            ops = [schedule(p, r, m) for r in range(p)]
+            assert parallel.bubble_fraction(ops) == pytest.approx((p - 1) / (m + p - 1))
+    broken = [[("B", 0), ("F", 0)], [("F", 0), ("B", 0)]]  # stage 0 waits for a B that needs its F
+    with pytest.raises(parallel.LayoutError):
+        parallel.simulate(broken)
+
+
+def test_grid_rank_order():
+    g = parallel.Grid(tp=2, pp=2, dp=2, rank=5)
+    assert (g.pp_rank, g.dp_rank, g.tp_rank) == (1, 0, 1)
+    assert [parallel.Grid(tp=2, pp=2, dp=2, rank=r).rank_of(1, 1, 0) for r in range(1)] == [6]
+    assert "stage 1: [4 5]  [6 7]" in str(g)
+
+
+@pytest.mark.parametrize("nproc,flags,message", [
+    (3, ["--tp", "2"], "world size 3 is not divisible by tp*pp"),
+    (2, ["--tp", "2", "--sp", "--seq-len", "31"], "--sp needs --seq-len (31) divisible by --tp 2"),
+    (4, ["--pp", "4", "--preset", "tiny", "--max-steps", "1"], None),
+    (2, ["--batch-size", "6", "--micro-batch-size", "2"], "does not divide the per-rank batch 3"),
+    (3, ["--tp", "3"], "does not divide the model's 4 attention heads"),
+])
+def test_bad_layouts_fail_clearly(nproc, flags, message, corpus, tmp_path):
+    result = run_train(corpus, tmp_path, *flags, nproc=nproc, check=False, timeout=120)
+    if message is None:  # 4 stages of the 4-layer tiny model is fine
+        assert result.returncode == 0, result.stderr[-2000:]
+        return
+    assert result.returncode != 0
+    assert message in result.stderr, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr.split("error:")[0][-500:]
+
+
+def test_more_stages_than_layers_is_refused(corpus, tmp_path):
+    result = run_train(corpus, tmp_path, "--pp", "8", nproc=8, check=False, timeout=120)
+    assert result.returncode != 0
+    assert "--pp 8 stages but the model has only 4 layers" in result.stderr
+
+
+def test_a_dead_rank_stops_the_others_with_a_clear_error(corpus, tmp_path):
+    """Without a launcher to clean up (torchrun would SIGTERM the survivors itself), the surviving
+    rank must notice the dead peer, and exit with one clear line, well within --timeout."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+               "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
+        cmd = [sys.executable, str(ROOT / "train.py"), "--data", corpus["data"], "--cache-dir", corpus["cache"],
+               "--out", str(tmp_path), *TINY, "--max-steps", "50", "--crash-at", "rank:1:step:2", "--timeout", "30"]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    start = time.monotonic()
+    _, err = procs[0].communicate(timeout=120)
+    procs[1].wait(timeout=30)
+    assert procs[1].returncode == -9  # the injected SIGKILL
+    assert procs[0].returncode != 0
+    assert time.monotonic() - start < 60
+    assert "error: a peer process failed or timed out" in err, err[-3000:]
+    assert "Traceback" not in err
