@@ -1,23 +1,55 @@
-"""Causal attention: one entry point, three implementations.
+"""Causal attention: one entry point, three implementations, one of them our own GPU kernel.
 
     attention(q, k, v, backend)      q, k, v: (B, n_head, T, head_dim)  ->  (B, n_head, T, head_dim)
 
     math    softmax(q k^T / sqrt(d) + causal mask) v, written out. Materializes the (T, T) score
-            matrix: O(T^2) memory. The version to read, and the reference the others are tested
-            against.
-    sdpa    torch.nn.functional.scaled_dot_product_attention: PyTorch picks a fused kernel
-            (FlashAttention / memory-efficient) where it has one.
-    triton  our own FlashAttention-2 style kernel (forward and backward), added by lesson 05.
+            matrix: O(T^2) memory. The version to read, and the reference the others are tested against.
+    sdpa    torch.nn.functional.scaled_dot_product_attention: PyTorch picks a fused kernel where it has one.
+    triton  our FlashAttention-2 kernel below (forward and backward). `auto` picks it on CUDA GPUs from
+            the A100 on (sm_80+), in fp16/bf16 with head_dim 16, 32, 64 or 128; SDPA otherwise.
 
 Causality is "bottom-right aligned": with Tq queries and Tk keys, query i sits at position
 Tk - Tq + i and sees keys 0..Tk - Tq + i. For training Tq == Tk and this is the usual lower
 triangle; when sampling with a KV cache, one new query (Tq = 1) sees every cached key.
+
+FlashAttention (Dao et al. 2022; FlashAttention-2, Dao 2023). Attention does ~4 T^2 d FLOPs but
+the math version also writes and reads the T x T scores and probabilities to GPU memory, and at
+d = 64 that traffic, not the arithmetic, is the bottleneck. The kernel never forms the matrix: a
+program owns BLOCK_M query rows, keeps them in registers, and streams key/value blocks past them,
+
+              keys ->   n=0   n=1   n=2   n=3          stage 1: blocks left of the diagonal,
+    queries   m=0     [ 2 ]   .     .     .                     every score visible, no mask
+      |       m=1     [ 1 ] [ 2 ]   .     .          stage 2: the diagonal block, causal mask
+      v       m=2     [ 1 ] [ 1 ] [ 2 ]   .          `.`:     right of the diagonal, never visited
+
+with an online softmax: keep the running row max m, the running sum l = sum exp(s - m) and the
+unnormalized output acc = sum exp(s - m) v. A new block with scores s_j and max m' rescales them:
+
+    m' = max(m, max_j s_j)
+    l  <- l e^(m - m') + sum_j e^(s_j - m')          acc <- acc e^(m - m') + sum_j e^(s_j - m') v_j
+
+and at the end o = acc / l, exactly softmax(s) v. We work in base 2 (exp2 is one GPU instruction;
+log2(e) is folded into the scale) and save lse = m + log2(l) per row for the backward, which then
+rebuilds any probability as p = 2^(s - lse) instead of storing P. The backward, with dO given:
+
+    dV = P^T dO    dP = dO V^T    dS = P * (dP - delta),  delta = rowsum(dO * O)    dQ = dS K    dK = dS^T Q
+
+(times 1/sqrt(d) for dQ and dK). One kernel per key block sums dK, dV over the query blocks, one per
+query block sums dQ over the key blocks: every output has a single writer, so no atomics, and the
+gradients are bitwise deterministic. Lesson 05 derives all of this step by step.
 """
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the math and sdpa backends need no Triton
+    triton = None
 
 BACKENDS = ("auto", "math", "sdpa", "triton")
 
@@ -44,12 +76,319 @@ def attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.T
     return F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
 
 
+# ----------------------------------------------------------------------------- launch configurations
+
+
+class Launch(NamedTuple):
+    """Forward: a program owns BLOCK_M queries and steps through keys BLOCK_N at a time. Backward: the
+    dK/dV program owns `big` keys and steps through queries `small` at a time; the dQ program owns `big`
+    queries and steps through keys `small` at a time."""
+    block_m: int
+    block_n: int
+    fwd_warps: int
+    fwd_stages: int
+    small: int
+    big: int
+    bwd_warps: int
+    bwd_stages: int
+
+
+# No autotuning (it cannot run without a GPU): one entry per (head_dim, dtype), each compiled ahead of
+# time for sm_80 and sm_90 by tests/test_kernels_aot.py, which checks tensor cores, shared memory and
+# that ptxas spills no registers. fp16 and bf16 share entries: same sizes, same tensor-core shapes.
+SHIPPED: dict[tuple[int, torch.dtype], Launch] = {}
+for _dtype in (torch.float16, torch.bfloat16):
+    SHIPPED[16, _dtype] = Launch(128, 64, 4, 3, 32, 128, 4, 3)
+    SHIPPED[32, _dtype] = Launch(128, 64, 4, 3, 32, 128, 4, 3)
+    SHIPPED[64, _dtype] = Launch(128, 64, 8, 3, 32, 128, 8, 3)  # 4 warps would need > 255 registers
+    SHIPPED[128, _dtype] = Launch(128, 32, 8, 3, 32, 64, 8, 3)  # larger blocks spill at this width
+HEAD_DIMS = (16, 32, 64, 128)
+# In the interpreter: small blocks (quick to interpret, and tiny tests still cross block boundaries).
+INTERPRETER_LAUNCH = Launch(32, 16, 4, 1, 16, 32, 4, 1)
+
+
+def launch_config(head_dim: int, dtype: torch.dtype) -> Launch:
+    return INTERPRETER_LAUNCH if INTERPRETED else SHIPPED[head_dim, dtype]
+
+
+def triton_dtypes() -> tuple[torch.dtype, ...]:
+    """On a GPU the shipped 16-bit types; the interpreter computes a bf16 tl.dot wrongly but fp32 right."""
+    return (torch.float32, torch.float16) if INTERPRETED else (torch.float16, torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------- the kernels
+
+if triton is not None:
+    LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * log2(e))
+
+    @triton.jit
+    def _head(X, stride_b, stride_h, bh, H):
+        """Pointer to head (b, h) of a (B, H, T, D) tensor; int64 so huge batches cannot overflow."""
+        return X + (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h
+
+    @triton.jit
+    def _load_rows(X, stride_t, offs_t, T, HEAD_DIM: tl.constexpr):
+        """Rows offs_t of a (T, HEAD_DIM) tile. Rows past T read as 0 whatever memory holds there
+        (NaN * 0 would poison a dot product), so any T works with any block size."""
+        offs_d = tl.arange(0, HEAD_DIM)
+        return tl.load(X + offs_t[:, None] * stride_t + offs_d[None, :], mask=offs_t[:, None] < T, other=0.0)
+
+    @triton.jit
+    def _store_rows(X, stride_t, offs_t, T, value, HEAD_DIM: tl.constexpr):
+        offs_d = tl.arange(0, HEAD_DIM)
+        tl.store(X + offs_t[:, None] * stride_t + offs_d[None, :], value.to(X.dtype.element_ty),
+                 mask=offs_t[:, None] < T)
+
+    @triton.jit
+    def _fwd_kv_loop(acc, l_i, m_i, q, K, V, skt, svt, offs_m, lo, hi, T, qk_scale,
+                     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+        """Stream key/value blocks [lo, hi) past the query block, updating the online softmax."""
+        for start_n in range(lo, hi, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            k = _load_rows(K, skt, offs_n, T, HEAD_DIM)  # (BLOCK_N, D)
+            v = _load_rows(V, svt, offs_n, T, HEAD_DIM)  # (BLOCK_N, D)
+            s = tl.dot(q, tl.trans(k)) * qk_scale  # (BLOCK_M, BLOCK_N) scores, in log2 units
+            if CAUSAL:  # only the diagonal block pays for the mask; it also hides keys >= T
+                s = tl.where(offs_m[:, None] >= offs_n[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every row sees at least key 0
+            alpha = tl.math.exp2(m_i - m_new)  # rescales what was summed under the old max
+            p = tl.math.exp2(s - m_new[:, None])  # (BLOCK_M, BLOCK_N)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)  # (BLOCK_M, D), fp32
+            m_i = m_new
+        return acc, l_i, m_i
+
+    @triton.jit
+    def _attn_fwd(Q, K, V, O, LSE,
+                  sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot,
+                  H, T, sm_scale,
+                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """One program: BLOCK_M queries of one (batch, head). Writes O and the base-2 lse of each row."""
+        # the last query blocks have the most keys to visit: launch them first so none is left at the end
+        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+        bh = tl.program_id(1)
+        Q, K, V = _head(Q, sqb, sqh, bh, H), _head(K, skb, skh, bh, H), _head(V, svb, svh, bh, H)
+        start_m = pid_m * BLOCK_M
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        q = _load_rows(Q, sqt, offs_m, T, HEAD_DIM)  # (BLOCK_M, D), stays in registers
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max
+        l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(s - m_i)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)  # running unnormalized output
+        qk_scale = sm_scale * LOG2E
+        # stage 1: key blocks entirely left of the diagonal (BLOCK_M is a multiple of BLOCK_N)
+        acc, l_i, m_i = _fwd_kv_loop(acc, l_i, m_i, q, K, V, skt, svt, offs_m, 0, start_m, T, qk_scale,
+                                     HEAD_DIM, BLOCK_N, CAUSAL=False)
+        # stage 2: the diagonal block, masked; blocks to its right are never touched
+        acc, l_i, m_i = _fwd_kv_loop(acc, l_i, m_i, q, K, V, skt, svt, offs_m, start_m,
+                                     tl.minimum(start_m + BLOCK_M, T), T, qk_scale,
+                                     HEAD_DIM, BLOCK_N, CAUSAL=True)
+        _store_rows(_head(O, sob, soh, bh, H), sot, offs_m, T, acc / l_i[:, None], HEAD_DIM)
+        tl.store(LSE + bh * T + offs_m, m_i + tl.math.log2(l_i), mask=offs_m < T)
+
+    @triton.jit
+    def _attn_bwd_delta(O, DO, DELTA, sob, soh, sot, sdb, sdh, sdt, H, T,
+                        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+        """delta_i = sum_d dO_id O_id = sum_j P_ij dP_ij: the row term of the softmax backward."""
+        bh = tl.program_id(1)
+        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        o = _load_rows(_head(O, sob, soh, bh, H), sot, offs_m, T, HEAD_DIM).to(tl.float32)
+        do = _load_rows(_head(DO, sdb, sdh, bh, H), sdt, offs_m, T, HEAD_DIM).to(tl.float32)
+        tl.store(DELTA + bh * T + offs_m, tl.sum(o * do, 1), mask=offs_m < T)
+
+    @triton.jit
+    def _dkdv_q_loop(dk, dv, k, v, Q, DO, LSE, DELTA, sqt, sdt, offs_n, lo, hi, T, qk_scale,
+                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
+        """Stream query blocks [lo, hi) past one key block, summing its dK, dV. Works with the
+        transposed scores s^T = K Q^T so that every product has the key block as its rows. Query rows
+        past T load q = dO = lse = delta = 0, so their p is finite and their dS and dO are 0: no effect."""
+        for start_m in range(lo, hi, BLOCK_M):
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            q = _load_rows(Q, sqt, offs_m, T, HEAD_DIM)  # (BLOCK_M, D)
+            do = _load_rows(DO, sdt, offs_m, T, HEAD_DIM)  # (BLOCK_M, D)
+            lse = tl.load(LSE + offs_m, mask=offs_m < T, other=0.0)  # (BLOCK_M,)
+            delta = tl.load(DELTA + offs_m, mask=offs_m < T, other=0.0)  # (BLOCK_M,)
+            p_t = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])  # (BLOCK_N, BLOCK_M) = P^T
+            if CAUSAL:
+                p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
+            dv += tl.dot(p_t.to(do.dtype), do)  # dV = P^T dO
+            dp_t = tl.dot(v, tl.trans(do))  # dP^T = V dO^T
+            ds_t = p_t * (dp_t - delta[None, :])  # dS^T
+            dk += tl.dot(ds_t.to(q.dtype), q)  # dK = dS^T Q (scaled by the caller)
+        return dk, dv
+
+    @triton.jit
+    def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA,
+                       sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdb, sdh, sdt, sgb, sgh, sgt,
+                       H, T, sm_scale,
+                       HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """One program: dK and dV of BLOCK_N keys of one (batch, head), its only writer."""
+        pid_n, bh = tl.program_id(0), tl.program_id(1)
+        Q, DO = _head(Q, sqb, sqh, bh, H), _head(DO, sdb, sdh, bh, H)
+        LSE, DELTA = LSE + bh * T, DELTA + bh * T
+        start_n = pid_n * BLOCK_N
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k = _load_rows(_head(K, skb, skh, bh, H), skt, offs_n, T, HEAD_DIM)  # (BLOCK_N, D)
+        v = _load_rows(_head(V, svb, svh, bh, H), svt, offs_n, T, HEAD_DIM)  # (BLOCK_N, D)
+        dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+        dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+        qk_scale = sm_scale * LOG2E
+        # the diagonal block: queries start_n .. start_n + BLOCK_N, masked (BLOCK_N is a multiple of BLOCK_M)
+        dk, dv = _dkdv_q_loop(dk, dv, k, v, Q, DO, LSE, DELTA, sqt, sdt, offs_n, start_n,
+                              tl.minimum(start_n + BLOCK_N, T), T, qk_scale, HEAD_DIM, BLOCK_M, CAUSAL=True)
+        # every later query sees all of these keys: no mask
+        dk, dv = _dkdv_q_loop(dk, dv, k, v, Q, DO, LSE, DELTA, sqt, sdt, offs_n, start_n + BLOCK_N, T, T,
+                              qk_scale, HEAD_DIM, BLOCK_M, CAUSAL=False)
+        _store_rows(_head(DK, sgb, sgh, bh, H), sgt, offs_n, T, dk * sm_scale, HEAD_DIM)
+        _store_rows(_head(DV, sgb, sgh, bh, H), sgt, offs_n, T, dv, HEAD_DIM)
+
+    @triton.jit
+    def _dq_kv_loop(dq, q, do, lse, delta, K, V, skt, svt, offs_m, lo, hi, T, qk_scale,
+                    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+        """Stream key blocks [lo, hi) past one query block, summing its dQ."""
+        for start_n in range(lo, hi, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            k = _load_rows(K, skt, offs_n, T, HEAD_DIM)  # (BLOCK_N, D)
+            v = _load_rows(V, svt, offs_n, T, HEAD_DIM)  # (BLOCK_N, D)
+            p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])  # (BLOCK_M, BLOCK_N)
+            if CAUSAL:
+                p = tl.where(offs_m[:, None] >= offs_n[None, :], p, 0.0)
+            dp = tl.dot(do, tl.trans(v))  # (BLOCK_M, BLOCK_N)
+            ds = p * (dp - delta[:, None])
+            dq += tl.dot(ds.to(k.dtype), k)  # dQ = dS K (scaled by the caller)
+        return dq
+
+    @triton.jit
+    def _attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA,
+                     sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdb, sdh, sdt, sgb, sgh, sgt,
+                     H, T, sm_scale,
+                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """One program: dQ of BLOCK_M queries of one (batch, head), its only writer."""
+        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest rows first, as in the forward
+        bh = tl.program_id(1)
+        K, V = _head(K, skb, skh, bh, H), _head(V, svb, svh, bh, H)
+        start_m = pid_m * BLOCK_M
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        q = _load_rows(_head(Q, sqb, sqh, bh, H), sqt, offs_m, T, HEAD_DIM)  # (BLOCK_M, D)
+        do = _load_rows(_head(DO, sdb, sdh, bh, H), sdt, offs_m, T, HEAD_DIM)  # (BLOCK_M, D)
+        lse = tl.load(LSE + bh * T + offs_m, mask=offs_m < T, other=0.0)
+        delta = tl.load(DELTA + bh * T + offs_m, mask=offs_m < T, other=0.0)
+        dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        qk_scale = sm_scale * LOG2E
+        dq = _dq_kv_loop(dq, q, do, lse, delta, K, V, skt, svt, offs_m, 0, start_m, T, qk_scale,
+                         HEAD_DIM, BLOCK_N, CAUSAL=False)
+        dq = _dq_kv_loop(dq, q, do, lse, delta, K, V, skt, svt, offs_m, start_m,
+                         tl.minimum(start_m + BLOCK_M, T), T, qk_scale, HEAD_DIM, BLOCK_N, CAUSAL=True)
+        _store_rows(_head(DQ, sgb, sgh, bh, H), sgt, offs_m, T, dq * sm_scale, HEAD_DIM)
+
+    INTERPRETED = not isinstance(_attn_fwd, triton.runtime.JITFunction)  # TRITON_INTERPRET=1 at import
+else:
+    INTERPRETED = False
+
+
+# ----------------------------------------------------------------------------- the host side
+
+
+def _bht(x: torch.Tensor) -> tuple[int, int, int]:
+    return x.stride(0), x.stride(1), x.stride(2)
+
+
+def _unit_last(x: torch.Tensor) -> torch.Tensor:
+    """The kernels read rows of D contiguous numbers; any other strides are passed through as they are."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _grid(T: int, block: int, BH: int) -> tuple[int, int]:
+    if BH > 65535:  # CUDA's limit on the second grid dimension
+        raise ValueError(f"batch * n_head = {BH} is more than the kernel's grid allows (65535)")
+    return triton.cdiv(T, block), BH
+
+
+def _empty_bhtd(like: torch.Tensor) -> torch.Tensor:
+    """(B, H, T, D) laid out as (B, T, H, D): the model's y.transpose(1, 2).reshape is then free."""
+    B, H, T, D = like.shape
+    return torch.empty(B, T, H, D, dtype=like.dtype, device=like.device).transpose(1, 2)
+
+
+def flash_forward(q, k, v, cfg: Launch):
+    """Returns o (B, H, T, D) and the base-2 log-sum-exp of every score row, (B, H, T) fp32."""
+    B, H, T, D = q.shape
+    assert cfg.block_m % cfg.block_n == 0, "stage 1 must end on a key-block boundary"
+    o = _empty_bhtd(q)
+    lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
+    grid = _grid(T, cfg.block_m, B * H)
+    _attn_fwd[grid](q, k, v, o, lse, *_bht(q), *_bht(k), *_bht(v), *_bht(o), H, T, 1 / math.sqrt(D),
+                    HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                    num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages)
+    return o, lse
+
+
+def flash_backward(q, k, v, o, lse, do, cfg: Launch):
+    """Returns dq, dk, dv. Three launches, each output written by exactly one program: deterministic."""
+    B, H, T, D = q.shape
+    assert cfg.big % cfg.small == 0, "the diagonal stage must end on a block boundary"
+    delta = torch.empty_like(lse)  # (B, H, T)
+    grid = _grid(T, cfg.big, B * H)
+    _attn_bwd_delta[grid](o, do, delta, *_bht(o), *_bht(do), H, T, HEAD_DIM=D, BLOCK_M=cfg.big)
+    dq, dk, dv = _empty_bhtd(q), _empty_bhtd(q), _empty_bhtd(q)  # same strides: one set passed for all three
+    strides = (*_bht(q), *_bht(k), *_bht(v), *_bht(do), *_bht(dq), H, T, 1 / math.sqrt(D))
+    launch = dict(HEAD_DIM=D, num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages)
+    # dK, dV: a program per `big` keys, walking `small` query blocks; dQ: the mirror image
+    _attn_bwd_dkdv[grid](q, k, v, do, dk, dv, lse, delta, *strides, BLOCK_M=cfg.small, BLOCK_N=cfg.big,
+                         **launch)
+    _attn_bwd_dq[grid](q, k, v, do, dq, lse, delta, *strides, BLOCK_M=cfg.big, BLOCK_N=cfg.small, **launch)
+    return dq, dk, dv
+
+
+class FlashAttention(torch.autograd.Function):
+    """Causal attention with the Triton kernels. Saves q, k, v, o and the lse (O(T) memory, not O(T^2))."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+        cfg = launch_config(q.size(-1), q.dtype)
+        o, lse = flash_forward(q, k, v, cfg)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.cfg = cfg
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        return flash_backward(q, k, v, o, lse, _unit_last(do), ctx.cfg)
+
+
+def triton_supports(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether the kernel takes these inputs: Tq == Tk, a head dim of the table, a dtype it computes right."""
+    return (triton is not None and q.size(-2) == k.size(-2) and q.size(-1) in HEAD_DIMS
+            and q.dtype in triton_dtypes())
+
+
+def attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Our kernel on CUDA, or in the Triton interpreter on a CPU (for teaching: slow, tiny sizes only)."""
+    if q.size(-2) != k.size(-2):  # decoding with a KV cache: tiny work, SDPA handles the alignment
+        return attention_sdpa(q, k, v)
+    if triton is None:
+        raise RuntimeError("attention backend 'triton' needs the triton package: pip install triton")
+    if not (q.is_cuda or INTERPRETED):
+        raise RuntimeError("attention backend 'triton' on a CPU runs in the Triton interpreter: start Python "
+                           "with TRITON_INTERPRET=1 in the environment (it must be set before kernels.py "
+                           "is imported)")
+    if not triton_supports(q, k):
+        raise ValueError(f"the Triton kernel {'in the interpreter ' if INTERPRETED else ''}supports head_dim "
+                         f"in {HEAD_DIMS} and dtypes {triton_dtypes()}, got head_dim={q.size(-1)}, "
+                         f"dtype={q.dtype}; use another attention backend (sdpa)")
+    return FlashAttention.apply(q, k, v)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     """Causal attention through the chosen backend. `auto` = Triton on CUDA, SDPA elsewhere."""
-    if backend == "auto":
-        backend = "sdpa"
+    if backend == "auto":  # the shipped configurations are checked for sm_80 and sm_90 (A100, H100)
+        modern = q.is_cuda and torch.cuda.get_device_capability(q.device) >= (8, 0)
+        backend = "triton" if modern and triton_supports(q, k) else "sdpa"
     if backend == "math":
         return attention_math(q, k, v)
     if backend == "sdpa":
         return attention_sdpa(q, k, v)
+    if backend == "triton":
+        return attention_triton(q, k, v)
     raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")

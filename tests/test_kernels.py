@@ -1,0 +1,164 @@
+"""The Triton attention kernel, checked numerically in the Triton interpreter (conftest sets
+TRITON_INTERPRET=1), against a float64 reference computed from the same (rounded) inputs.
+
+The interpreter runs each program one after another with numpy, so it proves the math, the masks
+and the indexing, not speed or races; tests/test_kernels_aot.py proves the kernels compile well for
+real GPUs. Sizes stay tiny (T <= 128): the interpreter is slow.
+"""
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT
+
+import kernels
+from kernels import attention, attention_math, flash_backward, flash_forward
+
+TOL = {torch.float32: 1e-4, torch.float16: 1e-2}
+
+
+def qkv_view(B, T, H, D, dtype, seed=0):
+    """q, k, v as the model makes them: strided views into one fused (B, T, 3, H, D) projection."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(B, T, 3, H, D, generator=gen).to(dtype).requires_grad_()
+    return qkv, qkv.permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, D), not contiguous
+
+
+def reference(q, k, v, do):
+    """Output and input gradients in float64 from the very same numbers the kernel saw."""
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    o = attention_math(q64, k64, v64)
+    o.backward(do.double())
+    return o, q64.grad, k64.grad, v64.grad
+
+
+def run_triton(q, k, v, do):
+    o = attention(q, k, v, "triton")
+    dq, dk, dv = torch.autograd.grad(o, (q, k, v), do)
+    return o, dq, dk, dv
+
+
+def assert_close(got, want, dtype, names=("o", "dq", "dk", "dv")):
+    for name, g, w in zip(names, got, want, strict=True):
+        assert g.shape == w.shape, name
+        err = (g.double() - w).abs().max().item()
+        assert err <= TOL[dtype], f"{name}: max abs error {err:.2e} > {TOL[dtype]:.0e}"
+
+
+CASES = [(T, D, torch.float32) for T in (1, 17, 64, 100, 128) for D in (16, 64)]
+CASES += [(T, D, torch.float16) for T, D in ((1, 32), (17, 128), (64, 32), (100, 64), (128, 16))]
+
+
+@pytest.mark.parametrize("T,D,dtype", CASES, ids=[f"T{T}-D{D}-{str(dt)[6:]}" for T, D, dt in CASES])
+def test_forward_and_gradients_match_float64(T, D, dtype):
+    _, (q, k, v) = qkv_view(2, T, 2, D, dtype)
+    do = torch.randn(2, 2, T, D, generator=torch.Generator().manual_seed(1)).to(dtype)
+    assert_close(run_triton(q, k, v, do), reference(q, k, v, do), dtype)
+
+
+def test_separately_strided_inputs():
+    """q, k, v with three different layouts, one whose last dimension is not contiguous."""
+    B, H, T, D = 2, 3, 40, 32
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(B, T, H, D, generator=gen).transpose(1, 2).requires_grad_()  # (B, H, T, D) view
+    k = torch.randn(B, H, T, D, generator=gen).requires_grad_()  # contiguous
+    v = torch.randn(B, H, D, T, generator=gen).transpose(2, 3).requires_grad_()  # stride(-1) == T
+    do = torch.randn(B, T, H, D, generator=gen).transpose(1, 2)
+    assert_close(run_triton(q, k, v, do), reference(q, k, v, do), torch.float32)
+
+
+@pytest.mark.parametrize("T", [17, 100])
+def test_memory_past_the_sequence_is_never_read(T):
+    """Each head's rows sit in a buffer padded with NaN: one unmasked load along T would spread it."""
+    B, H, D, pad = 1, 2, 16, 16
+    gen = torch.Generator().manual_seed(3)
+
+    def padded(x):  # the same values, but every head continues into NaN
+        buf = torch.full((B, H, T + pad, D), float("nan"))
+        buf[:, :, :T] = x
+        return buf[:, :, :T]
+
+    q, k, v, do = (padded(torch.randn(B, H, T, D, generator=gen)) for _ in range(4))
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    got = run_triton(q, k, v, do)
+    assert all(torch.isfinite(g).all() for g in got)
+    assert_close(got, reference(q, k, v, do), torch.float32)
+
+
+@pytest.mark.parametrize("D", kernels.HEAD_DIMS)
+def test_shipped_launch_configs_in_the_interpreter(D):
+    """The GPU block sizes (not the small interpreter ones) on a sequence that spans several blocks."""
+    cfg = kernels.SHIPPED[D, torch.float16]
+    T = 2 * max(cfg.block_m, cfg.big) - 9  # several blocks, the last one ragged
+    _, (q, k, v) = qkv_view(1, T, 1, D, torch.float16, seed=D)
+    do = torch.randn(1, 1, T, D, generator=torch.Generator().manual_seed(5)).to(torch.float16)
+    o, lse = flash_forward(q, k, v, cfg)
+    grads = flash_backward(q, k, v, o, lse, do, cfg)
+    assert_close((o, *grads), reference(q, k, v, do), torch.float16)
+
+
+def test_log_sum_exp_is_saved_in_base_2():
+    _, (q, k, v) = qkv_view(1, 33, 2, 16, torch.float32)
+    _, lse = flash_forward(q, k, v, kernels.INTERPRETER_LAUNCH)  # (B, H, T)
+    scores = (q @ k.transpose(-2, -1)).double() / math.sqrt(16)
+    scores = scores.masked_fill(torch.ones(33, 33, dtype=torch.bool).triu(1), float("-inf"))
+    assert torch.allclose(lse.double(), torch.logsumexp(scores, -1) / math.log(2), atol=1e-5)
+
+
+def test_backward_is_deterministic():
+    _, (q, k, v) = qkv_view(1, 50, 2, 16, torch.float32)
+    do = torch.randn(1, 2, 50, 16)
+    first, second = run_triton(q, k, v, do), run_triton(q, k, v, do)
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+
+
+def test_dispatch():
+    _, (q, k, v) = qkv_view(1, 9, 2, 16, torch.float32)
+    sdpa = kernels.attention_sdpa(q, k, v)
+    assert torch.equal(attention(q, k, v, "auto"), sdpa)  # auto on a CPU is SDPA
+    # a KV cache (Tq != Tk) goes to SDPA even when Triton is asked for
+    assert torch.equal(attention(q[:, :, -1:], k, v, "triton"), kernels.attention_sdpa(q[:, :, -1:], k, v))
+    with pytest.raises(ValueError, match="head_dim"):
+        attention(q[..., :12], k[..., :12], v[..., :12], "triton")
+    with pytest.raises(ValueError, match="dtype"):  # the interpreter's bf16 tl.dot is wrong: refuse it
+        attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), "triton")
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        attention(q, k, v, "flash")
+
+
+def test_model_trained_with_triton_matches_math():
+    """A few AdamW steps of the tiny GPT: the per-step losses agree with the math backend's."""
+    from model import build, config_from_preset
+
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 257, (2, 33), generator=gen)
+    x, y = tokens[:, :-1], tokens[:, 1:]  # T = 32
+
+    def losses(attn):
+        model = build(config_from_preset("tiny", 257, attn=attn), seed=0)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        out = []
+        for _ in range(3):
+            _, loss = model(x, y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            out.append(loss.item())
+        return out
+
+    triton_losses, math_losses = losses("triton"), losses("math")
+    assert math_losses[-1] < math_losses[0]  # it trains, so the comparison means something
+    for got, want in zip(triton_losses, math_losses, strict=True):
+        assert abs(got - want) <= 1e-4 * abs(want), (triton_losses, math_losses)
+
+
+def test_benchmark_explains_that_it_needs_a_gpu():
+    """tests/bench_attention.py is for GPU machines; without one it must say so and stop cleanly."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # as if there were no GPU, even where there is one
+    result = subprocess.run([sys.executable, str(ROOT / "tests" / "bench_attention.py")],
+                            capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 1 and "needs a CUDA GPU" in result.stdout, result.stderr

@@ -1,0 +1,167 @@
+"""Compile every shipped launch configuration for real GPUs, on a machine without one.
+
+Triton can compile for a target it is not running on: triton.compile(ASTSource(...), target=
+GPUTarget("cuda", 80 or 90, 32)) runs the whole pipeline (Triton IR -> LLVM -> PTX -> ptxas -> cubin).
+For each kernel x head_dim x {fp16, bf16} x {sm_80 (A100), sm_90 (H100)} we check that
+
+  * it compiles, with the launch configuration kernels.py will use on that GPU;
+  * the PTX uses tensor cores: `mma.sync` on sm_80, `wgmma` (warpgroup MMA) on sm_90;
+  * its shared memory fits the target's per-block limit;
+  * ptxas, given the PTX with `-v`, reports 0 bytes of spill stores (no registers spilled to memory);
+  * the PTX has no atomic instructions: each output has one writer, so results are deterministic.
+
+This must run without TRITON_INTERPRET (under the interpreter there is nothing to compile), so the
+test runs this file as a script in a clean subprocess. Run it yourself to see the resource table:
+
+    python tests/test_kernels_aot.py                          # all of them (~1 min on 2 cores)
+    python tests/test_kernels_aot.py --head-dim 64 --dtype bf16  # one configuration
+"""
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TARGETS = {  # compute capability -> (ptxas architecture, shared memory per block, tensor-core instruction)
+    80: ("sm_80", 166_912, "mma.sync"),
+    90: ("sm_90a", 232_448, "wgmma"),
+}
+POINTERS = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV", "LSE", "DELTA"}
+
+
+def jobs(head_dims=None, dtypes=None) -> list[tuple]:
+    """(kernel, head_dim, dtype, capability, BLOCK_M, BLOCK_N, warps, stages): what flash_forward and
+    flash_backward launch for each shipped configuration (or those of the given head dims / dtypes)."""
+    import torch
+
+    import kernels
+
+    names = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+    out = []
+    for (D, dtype), c in kernels.SHIPPED.items():
+        if (head_dims and D not in head_dims) or (dtypes and names[dtype] not in dtypes):
+            continue
+        for cap in TARGETS:
+            out += [("_attn_fwd", D, names[dtype], cap, c.block_m, c.block_n, c.fwd_warps, c.fwd_stages),
+                    ("_attn_bwd_delta", D, names[dtype], cap, c.big, None, 4, 3),
+                    ("_attn_bwd_dkdv", D, names[dtype], cap, c.small, c.big, c.bwd_warps, c.bwd_stages),
+                    ("_attn_bwd_dq", D, names[dtype], cap, c.big, c.small, c.bwd_warps, c.bwd_stages)]
+    return out
+
+
+def compile_one(job: tuple) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import kernels
+
+    name, D, dtype, cap, block_m, block_n, warps, stages = job
+    fn = getattr(kernels, name)
+    # The signature a real launch would get: 16-byte aligned pointers and strides divisible by 16 (true
+    # for every (B, H, T, D) layout with D >= 16); H and T arbitrary.
+    signature, attrs = {}, {}
+    for i, arg in enumerate(fn.arg_names):
+        if arg in POINTERS:
+            signature[arg] = "*fp32" if arg in ("LSE", "DELTA") else f"*{dtype}"
+        elif arg == "sm_scale":
+            signature[arg] = "fp32"
+        elif arg in ("HEAD_DIM", "BLOCK_M", "BLOCK_N"):
+            signature[arg] = "constexpr"
+        else:
+            signature[arg] = "i32"
+        if arg in POINTERS or arg[0] == "s" and arg != "sm_scale":
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    constexprs = {"HEAD_DIM": D, "BLOCK_M": block_m}
+    if block_n is not None:
+        constexprs["BLOCK_N"] = block_n
+    target = GPUTarget("cuda", cap, 32)
+    compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
+                              options={"num_warps": warps, "num_stages": stages})
+    ptx = compiled.asm["ptx"]
+    arch, smem_limit, mma = TARGETS[cap]
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "k.ptx").write_text(ptx)
+        log = subprocess.run([str(ptxas), "-v", f"-arch={arch}", "k.ptx", "-o", "k.cubin"], cwd=tmp,
+                             capture_output=True, text=True, check=True).stderr
+    return dict(kernel=name, D=D, dtype=dtype, target=arch, blocks=f"{block_m}x{block_n or '-'}",
+                warps=warps, stages=stages,
+                registers=int(re.search(r"Used (\d+) registers", log).group(1)),
+                spill_stores=int(re.search(r"(\d+) bytes spill stores", log).group(1)),
+                spill_loads=int(re.search(r"(\d+) bytes spill loads", log).group(1)),
+                shared=compiled.metadata.shared, shared_limit=smem_limit,
+                tensor_cores=mma if mma in ptx else "none", atomics=len(re.findall(r"\b(?:atom|red)\.", ptx)))
+
+
+def compile_all(head_dims=None, dtypes=None) -> list[dict]:
+    with ProcessPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        return list(pool.map(compile_one, jobs(head_dims, dtypes)))
+
+
+def table(rows: list[dict]) -> str:
+    head = (f"{'kernel':<16} {'D':>3} {'dtype':<5} {'target':<6} {'blocks':>7} {'warps':>5} {'stages':>6} "
+            f"{'regs':>4} {'smem (limit)':>16} {'spill st/ld':>11} {'tensor cores':>12}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        smem = f"{r['shared']} ({r['shared_limit'] // 1024}K)"
+        lines.append(f"{r['kernel']:<16} {r['D']:>3} {r['dtype']:<5} {r['target']:<6} {r['blocks']:>7} "
+                     f"{r['warps']:>5} {r['stages']:>6} {r['registers']:>4} {smem:>16} "
+                     f"{r['spill_stores']:>5}/{r['spill_loads']:<5} {r['tensor_cores']:>12}")
+    return "\n".join(lines)
+
+
+def run_in_clean_process() -> list[dict]:
+    """This file as a script, with the interpreter switched off. (Triton's compile cache may answer: its
+    key is the kernel's source, constants, options, target and Triton version, so a hit is the same build.)"""
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        out = Path(tmp) / "rows.json"
+        subprocess.run([sys.executable, __file__, "--json", str(out)], env=env, check=True, timeout=600)
+        return json.loads(out.read_text())
+
+
+def test_every_shipped_config_compiles_for_sm80_and_sm90():
+    rows = run_in_clean_process()
+    print("\n" + table(rows))
+    assert len(rows) == len(jobs()) and {r["target"] for r in rows} == {"sm_80", "sm_90a"}
+    assert {r["dtype"] for r in rows} == {"fp16", "bf16"}
+    for r in rows:
+        where = f"{r['kernel']} D={r['D']} {r['dtype']} {r['target']}"
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, f"{where} spills registers"
+        assert r["shared"] <= r["shared_limit"], f"{where} needs {r['shared']} B of shared memory"
+        assert r["atomics"] == 0, f"{where} uses atomics"
+        if r["kernel"] != "_attn_bwd_delta":  # delta is a row sum, no matrix product
+            mma = TARGETS[80 if r["target"] == "sm_80" else 90][2]
+            assert r["tensor_cores"] == mma, f"{where} does not use {mma}"
+
+
+def main():
+    parser = argparse.ArgumentParser(description="compile the shipped attention kernels for sm_80 and sm_90")
+    parser.add_argument("--head-dim", type=int, action="append", help="only this head dim (repeatable)")
+    parser.add_argument("--dtype", choices=("fp16", "bf16"), action="append", help="only this dtype")
+    parser.add_argument("--json", help="write the rows to this file instead of printing the table")
+    args = parser.parse_args()
+    if os.environ.get("TRITON_INTERPRET"):  # e.g. started from a test: compiling needs the real Triton
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        return subprocess.run([sys.executable, __file__, *sys.argv[1:]], env=env).returncode
+    sys.path.insert(0, str(ROOT))
+    rows = compile_all(args.head_dim, args.dtype)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows))
+    else:
+        print(table(rows))
+        bad = [r for r in rows if r["spill_stores"] or r["shared"] > r["shared_limit"]]
+        print(f"{len(rows)} kernels compiled, {len(bad)} spill registers or overflow shared memory")
+        return 1 if bad else 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
