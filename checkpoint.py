@@ -213,7 +213,7 @@ class Saver:
                              "dtype": str(t.dtype).removeprefix("torch.")} for k, (t, d) in tensors.items()]}
         if crash_mid_save:  # fault injection: die between the data file and its description
             os.kill(os.getpid(), signal.SIGKILL)
-        write_durably(tmp / f"rank{g.rank:05d}.json", json.dumps(info).encode())
+        replace_atomically(tmp / f"rank{g.rank:05d}.json", json.dumps(info))  # rank 0 polls for it: whole or absent
         final = self.dir / f"step_{step:08d}"
         if g.rank == 0:
             self._commit(step, tmp, final, meta)

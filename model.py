@@ -156,9 +156,11 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.config = cfg
+        # Values come from init_value (by name), so skip nn.Embedding's own N(0, 1) draw: on the
+        # meta device that draw alone costs a second of start-up (it imports torch._dynamo).
         self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(cfg.padded_vocab, cfg.n_embd),
-            wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
+            wte=nn.Embedding(cfg.padded_vocab, cfg.n_embd, _weight=torch.empty(cfg.padded_vocab, cfg.n_embd)),
+            wpe=nn.Embedding(cfg.block_size, cfg.n_embd, _weight=torch.empty(cfg.block_size, cfg.n_embd)),
             drop=nn.Dropout(cfg.dropout),
             h=nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)]),
             ln_f=nn.LayerNorm(cfg.n_embd, eps=1e-5),

@@ -101,7 +101,8 @@ class TrainConfig:
     crash_at: str = arg("", "fault injection for tests: 'step:N' SIGKILLs the process after step N, "
                         "'save:N' in the middle of the save at step N, 'rank:R:step:N' only rank R (only "
                         "in a launcher's first attempt, so a restarted job runs through)")
-    poison_step: int = arg(-1, "fault injection for tests: replace the batch of step N with random tokens")
+    poison_step: int = arg(-1, "fault injection for tests: replace batch N (the one step N draws) with one rare token "
+                           "repeated")
     # parallelism (launch with torchrun; data-parallel degree = processes / (tp * pp))
     tp: int = arg(1, "tensor-parallel degree (ranks that split each layer)")
     pp: int = arg(1, "pipeline-parallel degree (stages of layers)")
@@ -157,8 +158,6 @@ def resolve(cfg: TrainConfig, device: torch.device) -> TrainConfig:
     cfg.eval_every = cfg.eval_every or max(1, cfg.max_steps // 10)
     if cfg.precision == "auto":
         cfg.precision = "bf16" if cuda and torch.cuda.is_bf16_supported() else "fp32"
-    if cfg.attn == "auto":
-        cfg.attn = "triton" if cuda else "sdpa"
     for name in ("max_steps", "batch_size", "seq_len", "eval_batches", "tp", "pp", "keep"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
@@ -291,10 +290,14 @@ class Metrics:
         self.path, self.enabled = path, enabled
         if enabled:
             path.parent.mkdir(parents=True, exist_ok=True)
-        if enabled and path.exists():  # drop lines from after the checkpoint we resume from
-            keep = [line for line in path.read_text().splitlines()
-                    if line and json.loads(line).get("step", 0) <= resume_step]
-            path.write_text("".join(line + "\n" for line in keep))
+        self.truncate(resume_step)
+
+    def truncate(self, step: int) -> None:
+        """Drop lines from after `step`: a resumed or rolled-back run writes them again."""
+        if self.enabled and self.path.exists():
+            keep = [line for line in self.path.read_text().splitlines()
+                    if line and json.loads(line).get("step", 0) <= step]
+            self.path.write_text("".join(line + "\n" for line in keep))
 
     def log(self, **row) -> None:
         if self.enabled:
@@ -368,21 +371,22 @@ def setup(cfg: TrainConfig) -> Run:
                sync=sync, pipeline=pipeline)
 
 
-def next_batch(run: Run) -> torch.Tensor:
-    """This rank's rows of the next global batch, passing over batches the spike guard rejected."""
+def next_batch(run: Run) -> tuple[int, torch.Tensor]:
+    """(number, this rank's rows) of the next global batch, passing over batches the spike guard
+    rejected."""
     while True:
         number, batch = run.batches_drawn, run.loader.next_batch()
         run.batches_drawn += 1
         if number not in run.skip_batches:
             break
-    if run.step == run.cfg.poison_step:  # fault injection: a batch of noise, for the guard's test
-        batch = torch.randint(0, run.tok.vocab_size, batch.shape, generator=torch.Generator().manual_seed(0))
-    return batch.to(run.device)
+    if number == run.cfg.poison_step:  # fault injection for the guard's test: one rare token, repeated
+        batch = torch.full_like(batch, run.tok.vocab_size - 2)
+    return number, batch.to(run.device)
 
 
 def forward_backward(run: Run, batch: torch.Tensor) -> torch.Tensor:
-    """Gradient accumulation over micro-batches (or a pipeline schedule over them); returns the
-    mean loss over the global batch, on every rank."""
+    """Gradient accumulation over micro-batches (or a pipeline schedule over them); returns this
+    rank's mean loss over its micro-batches (0 on pipeline stages without the loss)."""
     micro = batch.split(run.cfg.micro_batch_size)  # rows of T + 1 tokens: inputs and next-token targets
     scale = run.scaler.scale
     if run.pipeline:
@@ -396,7 +400,7 @@ def forward_backward(run: Run, batch: torch.Tensor) -> torch.Tensor:
                 _, loss = run.model(mb[:, :-1], mb[:, 1:])
             (loss * (scale / len(micro))).backward()
             total += loss.detach() / len(micro)
-    return run.grid.global_loss(total)
+    return total
 
 
 def set_sync(run: Run, on: bool) -> None:
@@ -409,11 +413,12 @@ def train_step(run: Run) -> dict:
     (`skipped`) or the loss is a spike (`spike`: the caller rolls back)."""
     cfg, lr = run.cfg, lr_at(run.step, run.cfg)
     run.grid.traffic.reset()  # count this step's bytes only
-    batch_number, batch = run.batches_drawn, next_batch(run)
+    batch_number, batch = next_batch(run)
     if run.pipeline:
         set_sync(run, False)  # the pipeline turns it on before the last backward
-    loss = forward_backward(run, batch)
+    local_loss = forward_backward(run, batch)
     parallel.finish_grads(run.model, run.grid, run.sync)
+    loss = run.grid.global_loss(local_loss)  # after the gradients: nothing delays their buckets
     grads = [p.grad for p in run.model.parameters() if p.grad is not None]
     run.scaler.unscale_(grads)
     norm = parallel.grad_norm(run.model, run.grid, run.sync)
@@ -511,12 +516,13 @@ def train(run: Run) -> dict:
     peak = peak_flops(run.device, cfg.precision) * grid.world
     bad_in_a_row, last = 0, {}
     bar = tqdm(total=cfg.max_steps, initial=run.step, disable=not grid.is_logger, dynamic_ncols=True,
-               file=sys.stdout, mininterval=1.0)
+               mininterval=1.0)  # on stderr: stdout keeps the log lines
     while run.step < cfg.max_steps:
         t0 = time.perf_counter()
         row = train_step(run)
         if row.pop("spike"):
-            metrics.log(event="spike", **row, rolled_back_to=roll_back(run, row, saver, out))
+            metrics.truncate(roll_back(run, row, saver, out))
+            metrics.log(event="spike", **row, rolled_back_to=run.step)
             bar.n = run.step
             bar.refresh()
             continue
@@ -566,7 +572,7 @@ def report(run: Run) -> list[str]:
                                              cfg.sp, run.sync, run.model)
         text = parallel.comm_report(grid, expected)
         wrong = torch.tensor(float(sum(grid.traffic.counts.get(k, [0, 0])[1] != v for k, v in expected.items())
-                                   + sum(k not in expected for k in grid.traffic.counts)))
+                                   + sum(k not in expected for k in grid.traffic.counts)), device=grid.device)
         grid.all_reduce(wrong, "world")
         out.append(text + f"\nformula matches measurement on every rank: {'yes' if wrong == 0 else 'NO'}"
                    + ("" if cfg.precision == "fp32" else " (the formula assumes fp32 activations)"))
@@ -575,8 +581,8 @@ def report(run: Run) -> list[str]:
         out.append(parallel.zero_memory_report(run.opt, run.model, grid))
     if cfg.print_schedule and run.pipeline:
         ops = run.pipeline.all_stage_ops()
-        peaks = torch.zeros(grid.pp, dtype=torch.long)
-        grid.all_gather(peaks, torch.tensor([run.pipeline.peak_live]), "pp")
+        peaks = torch.zeros(grid.pp, dtype=torch.long, device=grid.device)
+        grid.all_gather(peaks, torch.tensor([run.pipeline.peak_live], device=grid.device), "pp")
         out.append(f"pipeline schedule {cfg.pp_schedule}, {len(ops)} stages, {len(ops[0]) // 2} micro-batches:\n"
                    + parallel.draw_schedule(ops) + "\nmicro-batches of activations held at once, by stage: "
                    + ", ".join(f"{s}: {int(n)}" for s, n in enumerate(peaks)))

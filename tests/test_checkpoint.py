@@ -1,0 +1,115 @@
+"""checkpoint.py and the guards: a run can die at any instant and continue as if it had not."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT, final_weights, metrics, run_train
+
+import checkpoint
+
+RUN = ["--max-steps", "8", "--ckpt-every", "2", "--eval-every", "4"]
+
+
+def losses(out):
+    return [(r["step"], r["loss"]) for r in metrics(out)]
+
+
+def assert_bitwise_same(a, b):
+    assert losses(a) == losses(b)
+    wa, wb = final_weights(a), final_weights(b)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_sigkill_and_resume_is_bitwise_identical(precision, corpus, tmp_path):
+    flags = [*RUN, "--precision", precision] + (["--loss-scale", str(2.0**20)] if precision == "fp16" else [])
+    run_train(corpus, tmp_path / "straight", *flags)
+    killed = run_train(corpus, tmp_path / "killed", *flags, "--crash-at", "step:5", check=False)
+    assert killed.returncode == -9  # SIGKILL: no chance to clean up
+    resumed = run_train(corpus, tmp_path / "killed", *flags)
+    assert "resuming from" in resumed.stdout and "step_00000004" in resumed.stdout
+    assert_bitwise_same(tmp_path / "straight", tmp_path / "killed")
+    if precision == "fp16":  # the scaler's state came back too: it had backed off before the kill
+        assert metrics(tmp_path / "killed")[-1]["loss_scale"] < 2.0**20
+
+
+def test_kill_in_the_middle_of_a_save_leaves_the_previous_checkpoint(corpus, tmp_path):
+    run_train(corpus, tmp_path / "straight", *RUN)
+    killed = run_train(corpus, tmp_path / "run", *RUN, "--crash-at", "save:6", check=False)
+    assert killed.returncode == -9
+    ckpt = tmp_path / "run" / "ckpt"
+    assert (ckpt / ".tmp-step_00000006").exists()  # the half-written one, never renamed into place
+    assert (ckpt / "latest").read_text() == "step_00000004"
+    assert checkpoint.latest(ckpt).name == "step_00000004"
+    resumed = run_train(corpus, tmp_path / "run", *RUN)
+    assert "(step 4)" in resumed.stdout
+    assert_bitwise_same(tmp_path / "straight", tmp_path / "run")
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_corrupt_latest_checkpoint_falls_back_to_the_previous(damage, corpus, tmp_path):
+    run_train(corpus, tmp_path, *RUN, "--max-steps", "6", "--keep", "3")
+    victim = tmp_path / "ckpt" / "step_00000006" / "rank00000.pt"
+    data = bytearray(victim.read_bytes())
+    if damage == "flip":
+        data[len(data) // 2] ^= 0x01
+    else:
+        data = data[: len(data) // 2]
+    victim.write_bytes(bytes(data))
+    messages = []
+    assert checkpoint.latest(tmp_path / "ckpt", log=messages.append).name == "step_00000004"
+    assert "rank00000.pt" in messages[0] and ("sha256" in messages[0] or "truncated" in messages[0])
+    resumed = run_train(corpus, tmp_path, *RUN, "--max-steps", "8", "--keep", "3")
+    assert "checkpoint unusable" in resumed.stdout and "(step 4)" in resumed.stdout
+
+
+def test_incompatible_checkpoint_is_refused(corpus, tmp_path):
+    run_train(corpus, tmp_path, *RUN, "--max-steps", "2")
+    result = run_train(corpus, tmp_path, *RUN, "--batch-size", "16", check=False)
+    assert result.returncode == 2
+    assert "incompatible run (batch_size: checkpoint has 8, this run has 16)" in result.stderr
+    assert run_train(corpus, tmp_path, *RUN, "--max-steps", "2", "--batch-size", "16", "--fresh").returncode == 0
+
+
+def test_keep_removes_only_older_complete_checkpoints(corpus, tmp_path):
+    run_train(corpus, tmp_path, *RUN, "--keep", "2")
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*")) == ["step_00000006", "step_00000008"]
+
+
+def test_async_saves_write_the_same_checkpoints(corpus, tmp_path):
+    run_train(corpus, tmp_path / "sync", *RUN)
+    run_train(corpus, tmp_path / "async", *RUN, "--async-ckpt")
+    assert_bitwise_same(tmp_path / "sync", tmp_path / "async")
+
+
+def test_inspect_prints_the_manifest(corpus, tmp_path):
+    run_train(corpus, tmp_path, *RUN, "--max-steps", "2")
+    out = subprocess.run([sys.executable, str(ROOT / "checkpoint.py"), "inspect", str(tmp_path / "ckpt")],
+                         capture_output=True, text=True, check=True).stdout
+    assert "step 2" in out and "all 1 files verified" in out
+    assert "transformer.h.3.mlp.c_fc.weight" in out and "(256, 64)" in out
+    manifest = json.loads((tmp_path / "ckpt" / "step_00000002" / "manifest.json").read_text())
+    assert manifest["meta"]["tokenizer"] == "byte:v1"
+    assert {e["name"] for e in manifest["tensors"]} >= {"transformer.wte.weight", "transformer.wte.weight::exp_avg"}
+
+
+def test_spike_guard_rolls_back_and_skips_the_poisoned_batch(corpus, tmp_path):
+    flags = ["--max-steps", "30", "--lr", "3e-3", "--ckpt-every", "5", "--eval-every", "30", "--poison-step", "24"]
+    guarded = run_train(corpus, tmp_path / "on", *flags, "--spike-z", "4", "--spike-window", "5")
+    assert "step 25: loss" in guarded.stdout and "is a spike; rolled back to step 20" in guarded.stdout
+    events = [json.loads(line) for line in (tmp_path / "on" / "metrics.jsonl").read_text().splitlines()]
+    spike = [e for e in events if e.get("event") == "spike"]
+    assert len(spike) == 1 and spike[0]["rolled_back_to"] == 20 and spike[0]["batch"] == 24
+    on = metrics(tmp_path / "on")
+    assert [r["step"] for r in on] == list(range(1, 31))
+    assert [r["batch"] for r in on][20:25] == [20, 21, 22, 23, 25]  # batch 24 was never trained on
+
+    unguarded = run_train(corpus, tmp_path / "off", *flags)  # the same run without the guard
+    assert "spike" not in unguarded.stdout
+    off = metrics(tmp_path / "off")
+    assert off[24]["loss"] > 1.5 * off[23]["loss"]  # the poisoned batch is a spike, and is trained on
+    assert [r["loss"] for r in on[:24]] == [r["loss"] for r in off[:24]]  # replayed steps 21-24 exactly
+    assert max(r["loss"] for r in on[24:]) < 1.2 * on[23]["loss"]
