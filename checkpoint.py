@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from model import canonical_name
+from parallel import take_shard, unshard
 
 FORMAT, VERSION = "nanoscale-checkpoint", 1
 COMMIT_TIMEOUT_S = 600
@@ -355,13 +356,6 @@ class Reader:
         return flat.view(parts[0]["local_shape"])
 
 
-def unshard(pieces: list[torch.Tensor], spec: dict) -> torch.Tensor:
-    """Inverse of cutting `count` parts along `dim` inside each of `groups` blocks."""
-    groups = spec.get("groups", 1)
-    chunks = [p.chunk(groups, dim=spec["dim"]) for p in pieces]  # chunks[rank][group]
-    return torch.cat([chunks[r][g] for g in range(groups) for r in range(len(pieces))], dim=spec["dim"])
-
-
 def load(path: Path, model, opt, grid, meta: dict) -> dict:
     """Load a verified checkpoint into this rank's model and optimizer; return the run state
     ('extra', with 'step'). Every tensor is rebuilt whole, then cut to this rank's slice, so any
@@ -408,25 +402,124 @@ def layout_of(grid) -> dict:
 
 def local_part(full: torch.Tensor, p: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The slice of `full` that parameter p holds on this rank (p.shard says which)."""
-    spec = getattr(p, "shard", None)
-    if spec is not None:
-        groups = spec.get("groups", 1)
-        blocks = full.chunk(groups, dim=spec["dim"])
-        full = torch.cat([b.chunk(spec["count"], dim=spec["dim"])[spec["index"]] for b in blocks],
-                         dim=spec["dim"])
-    if full.shape != p.shape:
-        raise CheckpointError(f"checkpoint tensor of shape {tuple(full.shape)} does not fit a parameter "
+    part = take_shard(full, getattr(p, "shard", None))
+    if part.shape != p.shape:
+        raise CheckpointError(f"checkpoint tensor of shape {tuple(part.shape)} does not fit a parameter "
                               f"of shape {tuple(p.shape)}")
-    return full.to(device=p.device, dtype=dtype or p.dtype)
+    return part.to(device=p.device, dtype=dtype or p.dtype)
+
+
+# ----------------------------------------------------------------------------- Hugging Face GPT-2
+#
+# A Hugging Face GPT-2 directory holds config.json and model.safetensors (or pytorch_model.bin).
+# Its names are ours, optionally without the "transformer." prefix; its Conv1D weights are our
+# nn.Linear weights transposed; its embedding has 50257 rows where ours is padded to 50304.
+# safetensors is simple enough to read and write here: an 8-byte little-endian header length,
+# a JSON header {name: {dtype, shape, data_offsets}}, then the raw bytes.
+
+CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """Tensors backed by a memory map of the file: nothing is read until it is used."""
+    raw = np.memmap(path, dtype=np.uint8, mode="c")  # copy-on-write: torch wants writable memory
+    n = int.from_bytes(raw[:8].tobytes(), "little")
+    header = json.loads(raw[8:8 + n].tobytes())
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] not in SAFETENSORS_DTYPES:
+            raise CheckpointError(f"{path}: tensor {name} has dtype {info['dtype']}, not a float type")
+        a, z = info["data_offsets"]
+        buf = raw[8 + n + a:8 + n + z]
+        out[name] = torch.frombuffer(buf, dtype=SAFETENSORS_DTYPES[info["dtype"]]).view(info["shape"])
+    return out
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    names = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+    header, offset, blobs = {"__metadata__": {"format": "pt"}}, 0, []
+    for name, t in tensors.items():
+        blob = t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+        header[name] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(blob)]}
+        offset += len(blob)
+        blobs.append(blob)
+    head = json.dumps(header).encode()
+    head += b" " * (-len(head) % 8)  # keep the data 8-byte aligned
+    write_durably(path, len(head).to_bytes(8, "little") + head + b"".join(blobs))
+
+
+def hf_config(directory: Path) -> dict:
+    """GPTConfig fields from a Hugging Face GPT-2 config.json."""
+    try:
+        cfg = json.loads((Path(directory) / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{directory}: no readable config.json ({e.__class__.__name__}); point "
+                              "--init-from at a Hugging Face GPT-2 model directory") from None
+    if cfg.get("model_type") != "gpt2":
+        raise CheckpointError(f"{directory} holds a {cfg.get('model_type')!r} model, not GPT-2")
+    return {"n_layer": cfg["n_layer"], "n_head": cfg["n_head"], "n_embd": cfg["n_embd"],
+            "block_size": cfg["n_positions"], "vocab_size": cfg["vocab_size"]}
+
+
+def read_hf_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """Our names and layouts for the tensors of a Hugging Face GPT-2 directory."""
+    directory = Path(directory)
+    if (directory / "model.safetensors").exists():
+        raw = read_safetensors(directory / "model.safetensors")
+    elif (directory / "pytorch_model.bin").exists():
+        raw = torch.load(directory / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    else:
+        raise CheckpointError(f"{directory} has neither model.safetensors nor pytorch_model.bin")
+    ours = {}
+    for name, t in raw.items():
+        name = name if name.startswith(("transformer.", "lm_head.")) else "transformer." + name
+        if name.endswith((".attn.bias", ".attn.masked_bias")) or name == "lm_head.weight":
+            continue  # the causal-mask buffers of old checkpoints; lm_head is tied to wte
+        ours[name] = t.t() if name.endswith(CONV1D) else t
+    return ours
+
+
+def load_hf(model: torch.nn.Module, directory: Path) -> None:
+    """Copy Hugging Face GPT-2 weights into this rank's (possibly sharded) model."""
+    weights = read_hf_weights(directory)
+    for name, p in model.named_parameters():
+        name = canonical_name(name)
+        if name not in weights:
+            raise CheckpointError(f"{directory}: no tensor for {name}")
+        w = weights[name].float()
+        if name == "transformer.wte.weight":  # pad the vocabulary to the model's multiple of 128
+            w = torch.cat([w, w.new_zeros(model.config.padded_vocab - w.shape[0], w.shape[1])])
+        with torch.no_grad():
+            p.copy_(local_part(w, p))
+
+
+def export_hf(path: Path, out_dir: Path) -> None:
+    """Write a checkpoint as a Hugging Face GPT2LMHeadModel directory."""
+    manifest = verify(path)
+    m, tok = manifest["meta"]["model"], manifest["meta"]["tokenizer"]
+    weights = consolidate(path)
+    weights["transformer.wte.weight"] = weights["transformer.wte.weight"][: m["vocab_size"]]
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_safetensors(out_dir / "model.safetensors",
+                      {n: (t.t() if n.endswith(CONV1D) else t).contiguous() for n, t in weights.items()})
+    eot = m["vocab_size"] - 1  # <|endoftext|> is the last token of both our tokenizers
+    config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": m["vocab_size"],
+              "n_positions": m["block_size"], "n_ctx": m["block_size"], "n_embd": m["n_embd"],
+              "n_layer": m["n_layer"], "n_head": m["n_head"], "n_inner": None, "activation_function": "gelu_new",
+              "layer_norm_epsilon": 1e-5, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+              "bos_token_id": eot, "eos_token_id": eot, "tie_word_embeddings": True,
+              "nanoscale": {"tokenizer": tok, "step": manifest["step"]}}
+    replace_atomically(out_dir / "config.json", json.dumps(config, indent=2))
 
 
 # ----------------------------------------------------------------------------- command line
 
 
 def inspect(path: Path) -> str:
-    path = Path(path)
-    if (path / "latest").exists():
-        path = path / (path / "latest").read_text().strip()
     manifest = verify(path)
     lines = [f"{path}: step {manifest['step']}, layout {manifest['layout']}, all "
              f"{len(manifest['files'])} files verified",
@@ -446,16 +539,42 @@ def inspect(path: Path) -> str:
 
 def main(argv=None) -> None:
     import argparse
-    p = argparse.ArgumentParser(description="Inspect nanoscale checkpoints.")
+    p = argparse.ArgumentParser(description="Inspect, consolidate and export nanoscale checkpoints.")
     sub = p.add_subparsers(dest="cmd", required=True)
     sp = sub.add_parser("inspect", help="verify a checkpoint and print its manifest")
     sp.add_argument("path", help="a step_XXXXXXXX directory, or a ckpt/ directory (uses latest)")
+    sp = sub.add_parser("consolidate", help="write the full model (any layout) to one torch file")
+    sp.add_argument("path", help="a step_XXXXXXXX directory, or a ckpt/ directory (uses latest)")
+    sp.add_argument("file", help="output .pt file: {parameter name: full fp32 tensor}")
+    sp = sub.add_parser("export-hf", help="write a Hugging Face GPT2LMHeadModel directory")
+    sp.add_argument("path", help="a step_XXXXXXXX directory, or a ckpt/ directory (uses latest)")
+    sp.add_argument("dir", help="output directory (config.json + model.safetensors)")
     args = p.parse_args(argv)
     try:
-        print(inspect(args.path))
+        path = resolve(args.path)
+        if args.cmd == "inspect":
+            print(inspect(path))
+        elif args.cmd == "consolidate":
+            weights = consolidate(path)
+            torch.save(weights, args.file)
+            print(f"wrote {len(weights)} tensors ({sum(t.numel() for t in weights.values()):,} parameters) "
+                  f"from {path} to {args.file}")
+        else:
+            export_hf(path, Path(args.dir))
+            print(f"wrote a Hugging Face GPT-2 model from {path} to {args.dir}")
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+def resolve(path: str | Path) -> Path:
+    """A checkpoint directory, or the one `latest` points to in a ckpt/ directory."""
+    path = Path(path)
+    if (path / "latest").exists():
+        return path / (path / "latest").read_text().strip()
+    if not (path / "manifest.json").exists():
+        raise CheckpointError(f"{path} is neither a checkpoint nor a ckpt/ directory with a `latest` pointer")
+    return path
 
 
 if __name__ == "__main__":

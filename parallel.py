@@ -916,6 +916,12 @@ def take_shard(full: torch.Tensor, spec: dict | None) -> torch.Tensor:
     return torch.cat([b.chunk(spec["count"], dim=spec["dim"])[spec["index"]] for b in blocks], dim=spec["dim"])
 
 
+def unshard(pieces: list[torch.Tensor], spec: dict) -> torch.Tensor:
+    """The full tensor from every rank's take_shard(full, spec), in rank order."""
+    chunks = [piece.chunk(spec["groups"], dim=spec["dim"]) for piece in pieces]  # chunks[rank][group]
+    return torch.cat([chunks[r][g] for g in range(spec["groups"]) for r in range(len(pieces))], dim=spec["dim"])
+
+
 def finish_grads(model: torch.nn.Module, grid: Grid, sync: GradSync | None) -> None:
     """Everything between the last backward and the optimizer: data-parallel averaging, the
     LayerNorm/bias gradients sequence parallelism left partial, and the tied embedding's two

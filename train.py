@@ -62,7 +62,9 @@ class TrainConfig:
     # model
     preset: str = arg("auto", "model size: auto (gpt2 on CUDA, mini on CPU) or one of "
                       + ", ".join(gpt.PRESETS))
-    seq_len: int = arg(0, "tokens per sequence (0: the preset's context, at most 256 on CPU)")
+    init_from: str = arg("", "start from Hugging Face GPT-2 weights: a local model directory (config.json "
+                         "and model.safetensors or pytorch_model.bin); its config replaces --preset")
+    seq_len: int = arg(0, "tokens per sequence (0: the model's context, at most 256 on CPU)")
     dropout: float = arg(0.0, "dropout probability")
     attn: str = arg("auto", "attention backend (auto: Triton on CUDA, SDPA elsewhere)",
                     choices=list(kernels.BACKENDS))
@@ -143,11 +145,15 @@ class ConfigError(ValueError):
 def resolve(cfg: TrainConfig, device: torch.device) -> TrainConfig:
     """Fill the 'auto' / 0 defaults for this device and check the flags make sense together."""
     cuda = device.type == "cuda"
-    if cfg.preset == "auto":
-        cfg.preset = "gpt2" if cuda else "mini"
-    if cfg.preset not in gpt.PRESETS:
-        raise ConfigError(f"unknown preset {cfg.preset!r}; choose one of: {', '.join(gpt.PRESETS)}")
-    block = gpt.PRESETS[cfg.preset][3]
+    if cfg.init_from:
+        block = checkpoint.hf_config(Path(cfg.init_from))["block_size"]
+        cfg.preset = f"Hugging Face ({cfg.init_from})"
+    else:
+        if cfg.preset == "auto":
+            cfg.preset = "gpt2" if cuda else "mini"
+        if cfg.preset not in gpt.PRESETS:
+            raise ConfigError(f"unknown preset {cfg.preset!r}; choose one of: {', '.join(gpt.PRESETS)}")
+        block = gpt.PRESETS[cfg.preset][3]
     cfg.seq_len = cfg.seq_len or (block if cuda else min(block, 256))
     if cfg.seq_len > block:
         raise ConfigError(f"--seq-len {cfg.seq_len} is longer than the {cfg.preset} model's context "
@@ -348,11 +354,10 @@ def setup(cfg: TrainConfig) -> Run:
                          rank=grid.dp_rank, world=grid.dp)
     val = data.eval_batches(data.load_tokens(prepared / "val.bin"), cfg.seq_len, cfg.batch_size,
                             cfg.eval_batches, rank=grid.dp_rank, world=grid.dp)
-    try:
-        model_cfg = gpt.config_from_preset(cfg.preset, tok.vocab_size, dropout=cfg.dropout, attn=cfg.attn)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    model_cfg = model_config(cfg, tok)
     model = parallel.build_model(model_cfg, grid, cfg.seed, device, cfg.seq_len, cfg.sp)
+    if cfg.init_from:  # before the optimizer, so ZeRO's master weights start from these values
+        checkpoint.load_hf(model, Path(cfg.init_from))
     sync = None
     if grid.dp > 1 or cfg.zero:
         sync = parallel.GradSync(model, grid, cfg.bucket_mb, overlap=not cfg.no_overlap, zero=bool(cfg.zero))
@@ -369,6 +374,17 @@ def setup(cfg: TrainConfig) -> Run:
         grid.log(str(grid))
     return Run(cfg, device, grid, tok, model_cfg, model, opt, scaler, loader, val, autocast, guard,
                sync=sync, pipeline=pipeline)
+
+
+def model_config(cfg: TrainConfig, tok: data.Tokenizer) -> gpt.GPTConfig:
+    """The architecture: a preset, or the config.json of the Hugging Face model to start from."""
+    if not cfg.init_from:
+        return gpt.config_from_preset(cfg.preset, tok.vocab_size, dropout=cfg.dropout, attn=cfg.attn)
+    hf = checkpoint.hf_config(Path(cfg.init_from))
+    if hf["vocab_size"] != tok.vocab_size:
+        raise ConfigError(f"{cfg.init_from} has a vocabulary of {hf['vocab_size']} tokens but the {tok.name} "
+                          f"tokenizer has {tok.vocab_size}; use the tokenizer the model was trained with")
+    return gpt.GPTConfig(**hf, dropout=cfg.dropout, attn=cfg.attn)
 
 
 def next_batch(run: Run) -> tuple[int, torch.Tensor]:

@@ -1,0 +1,64 @@
+"""Hugging Face GPT-2 interop: import their weights, export ours; transformers is the oracle."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT, final_weights, run_train
+
+import checkpoint
+import model as gpt
+
+import transformers  # a test-only oracle, from requirements-dev.txt
+
+
+def hf_model(vocab=257):
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=vocab, n_positions=64, n_embd=64, n_layer=2, n_head=4,
+                                  bos_token_id=vocab - 1, eos_token_id=vocab - 1,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(cfg).eval()
+
+
+@pytest.mark.parametrize("safetensors", [True, False])
+def test_import_gives_the_same_logits_as_transformers(safetensors, tmp_path):
+    hf = hf_model()
+    hf.save_pretrained(tmp_path, safe_serialization=safetensors)
+    ours = gpt.build(gpt.GPTConfig(**checkpoint.hf_config(tmp_path)), seed=0).eval()
+    checkpoint.load_hf(ours, tmp_path)
+    idx = torch.randint(0, 257, (2, 40))
+    with torch.no_grad():
+        expected = hf(idx).logits
+        got, _ = ours(idx)
+    torch.testing.assert_close(got[..., :257], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_export_loads_in_transformers_and_round_trips(corpus, tmp_path):
+    run_train(corpus, tmp_path / "run", "--max-steps", "2")
+    out = subprocess.run([sys.executable, str(ROOT / "checkpoint.py"), "export-hf", str(tmp_path / "run" / "ckpt"),
+                          str(tmp_path / "hf")], capture_output=True, text=True, check=True).stdout
+    assert "wrote a Hugging Face GPT-2 model" in out
+    hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
+    weights = final_weights(tmp_path / "run")
+    cfg = gpt.config_from_preset("tiny", 257)
+    ours = gpt.build(cfg, seed=0).eval()
+    ours.load_state_dict(weights, strict=False)
+    ours.lm_head.weight = ours.transformer.wte.weight
+    idx = torch.randint(0, 257, (2, 32))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(idx).logits, ours(idx)[0][..., :257], rtol=1e-5, atol=1e-5)
+
+    # import the export on two tensor-parallel ranks, take one step at lr 0: the weights come back exactly
+    run_train(corpus, tmp_path / "back", "--init-from", str(tmp_path / "hf"), "--max-steps", "1", "--lr", "0",
+              "--min-lr", "0", "--tp", "2", nproc=2)
+    back = final_weights(tmp_path / "back")
+    for name, w in weights.items():
+        rows = slice(0, 257) if name == "transformer.wte.weight" else slice(None)
+        assert torch.equal(back[name][rows], w[rows]), name
+
+
+def test_init_from_a_directory_that_is_not_a_model(corpus, tmp_path):
+    result = run_train(corpus, tmp_path / "run", "--init-from", str(tmp_path), check=False)
+    assert result.returncode == 2
+    assert "no readable config.json" in result.stderr
