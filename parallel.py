@@ -180,22 +180,28 @@ def init_grid(tp: int, pp: int, device: torch.device, timeout_s: float = 300) ->
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     grid = Grid(tp=tp, pp=pp, dp=world // (tp * pp), rank=rank, device=device)
-    if world > 1:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout_s))
-        ids = torch.arange(world).view(pp, grid.dp, tp)  # ids[pp_rank, dp_rank, tp_rank] = rank
-        for name, members in (("tp", ids.reshape(-1, tp)),
-                              ("dp", ids.permute(0, 2, 1).reshape(-1, grid.dp)),
-                              ("pp", ids.permute(1, 2, 0).reshape(-1, pp))):
-            for ranks in members.tolist():
-                group = dist.new_group(ranks)
-                if rank in ranks:
-                    grid.groups[name] = group
-        if pp > 1:  # the first and last stage both hold the tied embedding
-            for ranks in torch.stack([ids[0], ids[-1]], dim=-1).reshape(-1, 2).tolist():
-                group = dist.new_group(ranks)
-                if rank in ranks:
-                    grid.groups["embed"] = group
+    if world == 1:
+        return grid
+    # A launcher that restarts the job (torchrun --max-restarts) keeps its key-value store; keys
+    # from the dead attempt would point new groups at dead peers, so each attempt gets a prefix.
+    store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timedelta(seconds=timeout_s)))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
+                            store=dist.PrefixStore(f"nanoscale/attempt{attempt}", store),
+                            timeout=timedelta(seconds=timeout_s))
+    ids = torch.arange(world).view(pp, grid.dp, tp)  # ids[pp_rank, dp_rank, tp_rank] = rank
+    layouts = {"tp": ids.reshape(-1, tp), "dp": ids.permute(0, 2, 1).reshape(-1, grid.dp),
+               "pp": ids.permute(1, 2, 0).reshape(-1, pp)}
+    if pp > 1:  # the first and last stage both hold the tied embedding
+        layouts["embed"] = torch.stack([ids[0], ids[-1]], dim=-1).reshape(-1, 2)
+    for name, members in layouts.items():
+        if members.size(1) == world:
+            grid.groups[name] = None  # the default group already is this group
+            continue
+        for ranks in members.tolist() if members.size(1) > 1 else []:  # size-1 groups never talk
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                grid.groups[name] = group
     return grid
 
 
