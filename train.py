@@ -29,6 +29,7 @@ import argparse
 import json
 import math
 import os
+import random
 import signal
 import sys
 import time
@@ -36,6 +37,7 @@ from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -64,17 +66,18 @@ class TrainConfig:
                       + ", ".join(gpt.PRESETS))
     init_from: str = arg("", "start from Hugging Face GPT-2 weights: a local model directory (config.json "
                          "and model.safetensors or pytorch_model.bin); its config replaces --preset")
-    seq_len: int = arg(0, "tokens per sequence (0: the model's context, at most 256 on CPU)")
+    seq_len: int = arg(0, "tokens per sequence (0: the model's context on CUDA, 128 on CPU)")
     dropout: float = arg(0.0, "dropout probability")
     attn: str = arg("auto", "attention backend (auto: Triton on CUDA, SDPA elsewhere)",
                     choices=list(kernels.BACKENDS))
     # optimization
-    max_steps: int = arg(0, "optimizer steps (0: 5000 on CUDA, 600 on CPU)")
-    batch_size: int = arg(0, "global batch in sequences per optimizer step (0: 64 on CUDA, 16 on CPU)")
+    max_steps: int = arg(0, "optimizer steps (0: 5000 on CUDA, 200 on CPU: about 5 minutes)")
+    batch_size: int = arg(0, "global batch in sequences per optimizer step (0: 64 on CUDA, 8 on CPU)")
     micro_batch_size: int = arg(0, "sequences per forward/backward on one rank; the rest is gradient "
                                 "accumulation (0: the whole per-rank batch)")
-    lr: float = arg(1e-3, "peak learning rate")
-    min_lr: float = arg(1e-4, "learning rate at the end of the cosine decay")
+    lr: float = arg(0.0, "peak learning rate (0: 6e-4 on CUDA, as GPT-2 124M trains; 2e-3 on CPU, where the "
+                    "model is small)")
+    min_lr: float = arg(-1.0, "learning rate at the end of the cosine decay (-1: --lr / 10)")
     warmup_steps: int = arg(0, "linear warm-up steps (0: 5%% of max-steps)")
     weight_decay: float = arg(0.1, "AdamW weight decay, on matrices and embeddings only")
     clip: float = arg(1.0, "clip the global gradient norm to this (0: off)")
@@ -154,12 +157,14 @@ def resolve(cfg: TrainConfig, device: torch.device) -> TrainConfig:
         if cfg.preset not in gpt.PRESETS:
             raise ConfigError(f"unknown preset {cfg.preset!r}; choose one of: {', '.join(gpt.PRESETS)}")
         block = gpt.PRESETS[cfg.preset][3]
-    cfg.seq_len = cfg.seq_len or (block if cuda else min(block, 256))
+    cfg.seq_len = cfg.seq_len or (block if cuda else min(block, 128))
     if cfg.seq_len > block:
         raise ConfigError(f"--seq-len {cfg.seq_len} is longer than the {cfg.preset} model's context "
                           f"({block} tokens); use --seq-len {block} or less")
-    cfg.max_steps = cfg.max_steps or (5000 if cuda else 600)
-    cfg.batch_size = cfg.batch_size or (64 if cuda else 16)
+    cfg.max_steps = cfg.max_steps or (5000 if cuda else 200)
+    cfg.batch_size = cfg.batch_size or (64 if cuda else 8)
+    cfg.lr = cfg.lr or (6e-4 if cuda else 2e-3)
+    cfg.min_lr = cfg.lr / 10 if cfg.min_lr < 0 else cfg.min_lr
     cfg.warmup_steps = cfg.warmup_steps or max(1, cfg.max_steps // 20)
     cfg.eval_every = cfg.eval_every or max(1, cfg.max_steps // 10)
     if cfg.precision == "auto":
@@ -280,7 +285,8 @@ def peak_flops(device: torch.device, precision: str) -> float:
 
 def measured_matmul_flops(n: int = 1024, seconds: float = 0.3) -> float:
     """This CPU's fp32 matmul rate: the best a well-shaped matmul achieves here."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    gen = torch.Generator().manual_seed(0)  # its own stream: the run's RNG state is left alone
+    a, b = torch.randn(n, n, generator=gen), torch.randn(n, n, generator=gen)
     a @ b
     reps, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
@@ -340,6 +346,9 @@ def setup(cfg: TrainConfig) -> Run:
     cfg = resolve(cfg, pick_device(cfg.device))
     grid = parallel.init_grid(cfg.tp, cfg.pp, pick_device(cfg.device), cfg.timeout)
     device = grid.device
+    torch.manual_seed(cfg.seed)  # dropout's stream; the same on every rank, as tensor parallelism needs
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
     prepared = grid.rank0_first(lambda: data.prepare(data.DataConfig(
         source=cfg.data, tokenizer=cfg.tokenizer, cache_dir=cfg.cache_dir), verbose=grid.is_logger))
     tok = data.get_tokenizer(cfg.tokenizer, cfg.cache_dir)
@@ -520,6 +529,8 @@ def restore(run: Run, path: Path) -> None:
 
 
 def train(run: Run) -> dict:
+    """The loop: resume if --out holds a checkpoint, then step, evaluate, log and save until
+    --max-steps. Returns the last step's row of metrics."""
     cfg, grid = run.cfg, run.grid
     out = Path(cfg.out)
     saver = checkpoint.Saver(out / "ckpt", keep=cfg.keep, asynchronous=cfg.async_ckpt, grid=grid)
@@ -531,51 +542,58 @@ def train(run: Run) -> dict:
     flops_per_step = gpt.flops_per_token(run.model_cfg, cfg.seq_len) * tokens_per_step
     peak = peak_flops(run.device, cfg.precision) * grid.world
     bad_in_a_row, last = 0, {}
-    bar = tqdm(total=cfg.max_steps, initial=run.step, disable=not grid.is_logger, dynamic_ncols=True,
-               mininterval=1.0)  # on stderr: stdout keeps the log lines
-    while run.step < cfg.max_steps:
-        t0 = time.perf_counter()
-        row = train_step(run)
-        if row.pop("spike"):
-            metrics.truncate(roll_back(run, row, saver, out))
-            metrics.log(event="spike", **row, rolled_back_to=run.step)
-            bar.n = run.step
-            bar.refresh()
-            continue
-        bad_in_a_row = bad_in_a_row + 1 if row.pop("bad") else 0
-        if row["skipped"] and grid.is_logger:
-            bar.write(f"step {run.step}: non-finite loss or gradient, update skipped"
-                      + (f" (loss scale now {run.scaler.scale:g})" if run.scaler.enabled else ""))
-        if bad_in_a_row >= cfg.max_bad_steps:
-            raise FloatingPointError(f"{bad_in_a_row} steps in a row had a non-finite loss or gradient; "
-                                     "lower --lr, or check the data")
-        dt = time.perf_counter() - t0
-        row.update(tokens_per_sec=tokens_per_step / dt, mfu=flops_per_step / dt / peak)
-        if run.scaler.enabled:
-            row["loss_scale"] = run.scaler.scale
-        if not last:  # the first step of this process: print what was asked for
-            for text in report(run):
-                bar.write(text)
-        run.step += 1
-        if run.step % cfg.eval_every == 0 or run.step == cfg.max_steps:
-            row["val_loss"] = evaluate(run)
-            if cfg.sample_tokens:
-                text = sample(run, cfg.sample_tokens)
-                if grid.is_logger:
-                    bar.write(f"step {run.step} val {row['val_loss']:.3f} | sample: {text!r}"[:400])
-        metrics.log(**row)
-        bar.update(1)
-        bar.set_postfix(loss=f"{row['loss']:.3f}", lr=f"{row['lr']:.1e}", tok_s=f"{row['tokens_per_sec']:.0f}",
-                        mfu=f"{row['mfu']:.1%}")
-        if (cfg.ckpt_every and run.step % cfg.ckpt_every == 0) or run.step == cfg.max_steps:
-            save(run, saver)
-        if crash_due(run, f"step:{run.step}"):
-            saver.wait()
-            os.kill(os.getpid(), signal.SIGKILL)
-        last = row
-    bar.close()
-    saver.wait()
+    # the bar goes to stderr; log lines (bar.write) to stdout. `with`: closed even on an error
+    with tqdm(total=cfg.max_steps, initial=run.step, disable=not grid.is_logger, dynamic_ncols=True,
+              mininterval=1.0) as bar:
+        try:
+            while run.step < cfg.max_steps:
+                t0 = time.perf_counter()
+                row = train_step(run)
+                if row.pop("spike"):
+                    metrics.truncate(roll_back(run, row, saver, out))
+                    metrics.log(event="spike", **row, rolled_back_to=run.step)
+                    bar.n = run.step
+                    continue
+                bad_in_a_row = bad_in_a_row + 1 if row.pop("bad") else 0
+                if row["skipped"] and grid.is_logger:
+                    bar.write(f"step {row['step']}: non-finite loss or gradient, update skipped"
+                              + (f" (loss scale now {run.scaler.scale:g})" if run.scaler.enabled else ""))
+                if bad_in_a_row >= cfg.max_bad_steps:
+                    raise FloatingPointError(f"{bad_in_a_row} steps in a row had a non-finite loss or "
+                                             "gradient; lower --lr, or check the data")
+                dt = time.perf_counter() - t0
+                row.update(tokens_per_sec=tokens_per_step / dt, mfu=flops_per_step / dt / peak)
+                if run.scaler.enabled:
+                    row["loss_scale"] = run.scaler.scale
+                if not last:  # the first step of this process: print what was asked for
+                    for text in report(run):
+                        bar.write(text)
+                run.step += 1
+                after_step(run, row, bar, saver, metrics)
+                last = row
+        finally:
+            saver.wait()  # never exit with a save half-done
     return last
+
+
+def after_step(run: Run, row: dict, bar, saver: checkpoint.Saver, metrics: Metrics) -> None:
+    """Evaluate and sample, log, save, and obey --crash-at (in that order: a checkpoint at step N
+    comes with step N's line in metrics.jsonl)."""
+    cfg = run.cfg
+    if run.step % cfg.eval_every == 0 or run.step == cfg.max_steps:
+        row["val_loss"] = evaluate(run)
+        text = sample(run, cfg.sample_tokens) if cfg.sample_tokens else ""
+        if run.grid.is_logger:
+            bar.write(f"step {run.step} val {row['val_loss']:.3f}" + (f" | sample: {text!r}"[:400] if text else ""))
+    metrics.log(**row)
+    bar.update(1)
+    bar.set_postfix(loss=f"{row['loss']:.3f}", lr=f"{row['lr']:.1e}", tok_s=f"{row['tokens_per_sec']:.0f}",
+                    mfu=f"{row['mfu']:.1%}")
+    if (cfg.ckpt_every and run.step % cfg.ckpt_every == 0) or run.step == cfg.max_steps:
+        save(run, saver)
+    if crash_due(run, f"step:{run.step}"):
+        saver.wait()
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def report(run: Run) -> list[str]:
@@ -625,8 +643,8 @@ def main(argv=None) -> None:
     try:
         run = setup(cfg)
         last = train(run)
-        if run.grid.is_logger and last:
-            print(f"done: step {run.step}, loss {last['loss']:.4f}"
+        if run.grid.is_logger:
+            print(f"done: step {run.step}" + (f", loss {last['loss']:.4f}" if last else " (nothing left to do)")
                   + (f", val loss {last['val_loss']:.4f}" if "val_loss" in last else ""))
     except (ConfigError, data.DataError, checkpoint.CheckpointError, parallel.LayoutError,
             FloatingPointError) as e:
