@@ -1058,3 +1058,92 @@ def zero_memory_report(opt, model: torch.nn.Module, grid: Grid) -> str:
     return (f"optimizer state on rank {grid.rank}: {measured:,} bytes for {n:,} local parameters; "
             f"formula {'12 N / dp' if isinstance(opt, ZeroAdamW) else '8 N'} = {formula:,.0f} "
             f"(padding {measured - formula:,.0f} bytes)")
+
+
+# ----------------------------------------------------------------------------- planning a run on paper
+
+
+def state_bytes(n_params: float, dp: int, zero: int = 1, grad_bytes: int = 4) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes of one model replica's parameters on one data-parallel
+    rank. Weights are bf16 (2 bytes); the optimizer keeps K = 12 bytes per parameter (fp32 master
+    copy, Adam's two moments). ZeRO stage 1 shards the optimizer over dp, stage 2 the gradients too,
+    stage 3 the weights too (Rajbhandari et al. 2020, "ZeRO", section 5 and figure 1).
+    grad_bytes=4 (fp32 gradients, zero=1) is Megatron-LM's distributed optimizer and what
+    `ZeroAdamW` does under --precision bf16: 6 + 12/dp bytes per parameter. grad_bytes=2 is the
+    ZeRO paper's 2Ψ + 2Ψ + KΨ/Nd."""
+    return (2 * n_params / (dp if zero >= 3 else 1), grad_bytes * n_params / (dp if zero >= 2 else 1),
+            12 * n_params / (dp if zero >= 1 else 1))
+
+
+def plan(n_layer: int, n_head: int, d_model: int, vocab: int, seq_len: int, batch: int, n_gpus: int,
+         tp: int = 1, pp: int = 1, micro_batch: int = 1, zero: int = 1, tokens: float = 0.0,
+         mfu: float = 0.40, peak_flops: float = 989e12, grad_bytes: int = 4,
+         nvlink_bw: float = 450e9, net_bw: float = 50e9) -> dict:
+    """One training run of a dense GPT-2-shaped model, on paper: what each GPU holds, what it sends
+    per optimizer step, and how long `tokens` take at an assumed model-FLOPs utilization `mfu`.
+    `batch` is the global batch in sequences (train.py's --batch-size); dp = n_gpus / (tp pp).
+    The defaults describe H100 SXM: 989 TFLOP/s dense bf16, ~450 GB/s NVLink, a 400 Gb/s NIC per GPU.
+
+    parameters  12 L d^2 + 13 L d + (V + s) d + 2 d: model.py exactly (Narayanan et al. 2021, sec. 5.1
+                without the final LayerNorm); FLOPs use the 12 L d^2 + V d in matmuls:
+                6 N + 12 L H Q T per token (PaLM, appendix B; model.flops_per_token)
+    memory      state_bytes() on the N / (tp pp) parameters this GPU holds, plus activations with
+                sequence parallelism and selective recomputation (flash attention keeps no s x s
+                scores): 34 s b d / tp bytes per layer and micro-batch (Korthikanti et al. 2022,
+                table 2); under 1F1B the first stage keeps min(pp, m) micro-batches of L/pp layers.
+    traffic     bytes one GPU sends per step with ring collectives (2(n-1)/n of an all-reduced buffer):
+                tp  4 all-reduces (or all-gather + reduce-scatter pairs) of one bf16 s b d activation
+                    per layer per micro-batch (Shoeybi et al. 2019, sec. 3), over NVLink;
+                pp  one activation forward, one gradient backward per micro-batch, s b d / tp each;
+                dp  ZeRO: reduce-scatter the gradients, all-gather bf16 weights (twice for stage 3);
+                    without it, all-reduce the gradients. Once per step: a ZeRO-2 that reduces after
+                    every micro-batch moves m times the gradient bytes.
+    time        flops / (n_gpus peak mfu). MFU is an assumption, measured elsewhere: it already pays
+                for the bubble and any communication that is not hidden."""
+    dp = n_gpus // (tp * pp)
+    if dp * tp * pp != n_gpus or n_head % tp or n_layer < pp or batch % (dp * micro_batch):
+        raise LayoutError(f"{n_gpus} GPUs as tp {tp} x pp {pp} x dp, {n_head} heads, {n_layer} layers, "
+                          f"batch {batch} in micro-batches of {micro_batch}: not a possible layout")
+    L, d, s, b, V = n_layer, d_model, seq_len, micro_batch, -(-vocab // 128) * 128
+    n_params = 12 * L * d * d + 13 * L * d + (V + s) * d + 2 * d
+    flops_per_token = 6 * (12 * L * d * d + V * d) + 12 * L * d * s
+    local = n_params / (tp * pp)  # the first and last stage also hold V d / tp of embedding: ignored
+    weights, grads, optimizer = state_bytes(local, dp, zero, grad_bytes)
+    m, layers = batch // (dp * b), -(-L // pp)  # micro-batches per pipeline and step; layers per stage
+    activations = 34 * s * b * d / tp * layers * min(pp, m)
+    act = 2 * s * b * d  # one bf16 activation, bytes
+
+    def ring(n):  # the fraction of a buffer each rank sends in a ring reduce-scatter or all-gather
+        return (n - 1) / n
+
+    gathers = 2 if zero >= 3 else 1  # stage 3 all-gathers the weights again for the backward
+    comm = {"tp": 4 * layers * m * act * 2 * ring(tp),  # an all-reduce = reduce-scatter + all-gather
+            "pp": 2 * m * act / tp if pp > 1 else 0.0,
+            "dp": (local * (grad_bytes + 2 * gathers) if zero else 2 * local * grad_bytes) * ring(dp)}
+    step_s = flops_per_token * batch * s / (n_gpus * peak_flops * mfu)
+    seconds = tokens / (batch * s) * step_s
+    return {"params": n_params, "flops_per_token": flops_per_token, "dp": dp, "tp": tp, "pp": pp,
+            "micro_batches": m, "bubble": (pp - 1) / (m + pp - 1),
+            "memory": {"weights": weights, "grads": grads, "optimizer": optimizer, "activations": activations,
+                       "total": weights + grads + optimizer + activations},
+            "comm": comm, "comm_s": {"tp": comm["tp"] / nvlink_bw, "pp": comm["pp"] / net_bw,
+                                     "dp": comm["dp"] / net_bw},
+            "mfu": mfu, "step_s": step_s, "tokens_per_s": batch * s / step_s, "n_gpus": n_gpus,
+            "tokens": tokens, "days": seconds / 86400, "gpu_hours": seconds * n_gpus / 3600}
+
+
+def format_plan(p: dict) -> str:
+    """plan()'s numbers as a few lines of text (GB = 1e9 bytes)."""
+    mem, comm, t = p["memory"], p["comm"], p["comm_s"]
+    lines = [f"model   {p['params'] / 1e9:.2f}B parameters, {p['flops_per_token']:.3g} FLOPs per token",
+             f"layout  {p['n_gpus']} GPUs = dp {p['dp']} x tp {p['tp']} x pp {p['pp']}; "
+             f"{p['micro_batches']} micro-batches per step, bubble {p['bubble']:.1%}",
+             "memory  " + "  ".join(f"{k} {v / 1e9:.1f}" for k, v in mem.items()) + " GB per GPU",
+             "traffic " + "  ".join(f"{k} {comm[k] / 1e9:.2f} GB ({t[k]:.2f} s)" for k in comm)
+             + " per GPU and step",
+             f"time    {p['step_s']:.2f} s per step at {p['mfu']:.0%} MFU: "
+             f"{p['tokens_per_s'] / 1e6:.2f}M tokens/s, {p['tokens_per_s'] / p['n_gpus']:,.0f} per GPU"]
+    if p["tokens"]:
+        lines.append(f"budget  {p['tokens'] / 1e12:g}T tokens: {p['days']:.2f} days, "
+                     f"{p['gpu_hours']:,.0f} GPU-hours")
+    return "\n".join(lines)
