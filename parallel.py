@@ -24,7 +24,6 @@ import torch.distributed as dist
 
 import model as gpt
 
-
 # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor; same collectives
 all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
@@ -709,7 +708,9 @@ def simulate(stage_ops: list[list[tuple[str, int]]]) -> list[list[tuple[int, str
         for s in range(p):
             while pos[s] < len(stage_ops[s]):
                 kind, i = stage_ops[s][pos[s]]
-                dep = (s - 1, "F", i) if kind == "F" and s > 0 else (s + 1, "B", i) if kind == "B" and s < p - 1 else None
+                # F(i) needs the previous stage's F(i); B(i) needs the next stage's B(i)
+                dep = (s - 1, "F", i) if kind == "F" else (s + 1, "B", i)
+                dep = dep if 0 <= dep[0] < p else None
                 if dep is not None and dep not in done:
                     break
                 start = max(free[s], done.get(dep, 0))

@@ -51,7 +51,8 @@ def test_a_killed_rank_restarts_and_resumes_under_torchrun(corpus, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
            str(ROOT / "train.py"), "--data", corpus["data"], "--cache-dir", corpus["cache"], "--out",
            str(tmp_path / "killed"), *TINY, *flags, "--crash-at", "rank:1:step:5"]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resuming from" in result.stdout and "(step 4)" in result.stdout  # the second attempt
     assert [r["loss"] for r in metrics(tmp_path / "killed")] == [r["loss"] for r in metrics(tmp_path / "straight")]
