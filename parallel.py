@@ -306,6 +306,8 @@ class GradSync:
                 b.main_grad /= self.grid.dp
             b.ready, b.work, b.launched = 0, None, False
             for p, view in b.views(b.main_grad):
+                if p.dtype != view.dtype:
+                    p.grad_dtype = None  # a bf16 parameter with an fp32 gradient: allowed on purpose
                 p.grad = view
         self.events.append(("reduced", -1, time.perf_counter()))
         self.last_events, self.events = self.events, []

@@ -21,7 +21,8 @@ import train  # noqa: E402
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--steps", type=int, default=8, help="timed optimizer steps")
     p.add_argument("--preset", default="mini", help="model preset")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per step")

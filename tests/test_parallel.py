@@ -165,3 +165,17 @@ def test_a_dead_rank_stops_the_others_with_a_clear_error(corpus, tmp_path):
     assert time.monotonic() - start < 60
     assert "error: a peer process failed or timed out" in err, err[-3000:]
     assert "Traceback" not in err
+
+
+def test_zero1_with_bf16_parameters_and_async_sharded_checkpoints(corpus, tmp_path):
+    """Megatron's layout: bf16 parameters (2 bytes), fp32 main gradients (4), fp32 master weights and
+    moments sharded (12 / dp); the parameter all-gather moves bf16."""
+    out = run_train(corpus, tmp_path, "--max-steps", "6", "--zero", "1", "--precision", "bf16", "--comm-report",
+                    "--async-ckpt", "--ckpt-every", "2", nproc=2).stdout
+    n = int(out.split("bytes for ")[1].split(" local")[0].replace(",", ""))
+    gathered = next(ln for ln in out.splitlines() if ln.strip().startswith("all_gather") and " dp " in ln)
+    assert int(gathered.split()[3].replace(",", "")) == 2 * n  # one bf16 copy of every parameter, padded to dp
+    rows = metrics(tmp_path)
+    assert rows[-1]["loss"] < rows[0]["loss"] - 0.3
+    weights = final_weights(tmp_path)  # the fp32 masters, reassembled from both ranks' shards
+    assert all(w.dtype == torch.float32 for w in weights.values())
