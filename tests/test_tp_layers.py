@@ -25,7 +25,8 @@ def ranks(world: int, fn, *args) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(worker, args=(world, port, fn, args), nprocs=world, start_method="fork")
+    # spawn, not fork: a fork of a process whose OpenMP threads are running can deadlock in a matmul
+    mp.start_processes(worker, args=(world, port, fn, args), nprocs=world, start_method="spawn")
 
 
 def worker(rank, world, port, fn, args):
