@@ -1,4 +1,4 @@
-"""Checkpoints that lose nothing.
+"""Checkpoints that lose nothing, and that nothing can silently corrupt.
 
 A checkpoint is everything a run needs to continue as if it had never stopped: the weights, the
 optimizer's moments, the loss scaler, the step (which fixes the learning rate), every RNG, the
@@ -10,29 +10,46 @@ On disk, one directory per checkpoint, one file per rank, and a manifest:
 
     <out>/ckpt/
         step_00000200/
-            rank00000.pt        this rank's tensors (its shards) and its RNG states
-            rank00000.json      what rank00000.pt holds: names, full shapes, slices, sha256
-            manifest.json       all ranks' entries + run metadata; written last by rank 0
+            rank00000.safetensors   this rank's tensors (its shards); its header also holds the
+                                    rank's RNG states and run state (loader position, scaler, ...)
+            rank00000.json          what that file holds: names, full shapes, slices, sha256
+            manifest.json           every rank's entries + run id + metadata, and the sha256 of
+                                    all of that (the manifest's own checksum); written last
         step_00000400/ ...
-        latest                  "step_00000400", replaced atomically after the directory is complete
+        latest                      "step_00000400", replaced atomically after the directory is complete
+
+Nothing is trusted that is not checked. Every data file is listed in the manifest with its size and
+sha256; the manifest carries the sha256 of its own contents and a schema check, so a flipped bit in
+a tensor's name is caught like a flipped bit in its values. A checkpoint that fails any check is
+"unusable", and the reader falls back to the previous one; a checkpoint that is fine but from a
+different setup (another model, tokenizer, batch, precision) is "incompatible", and the run stops.
+Each checkpoint records the id of the run that wrote it, and a run only ever resumes its own.
 
 The write is atomic: files go to `.tmp-step_XXXXXXXX/`, are fsynced and read back against their
 sha256; rank 0 waits for every rank's .json, writes the manifest, renames the directory into
 place and only then moves `latest`. A crash at any instant leaves the previous checkpoint
-intact and `latest` pointing at a complete one. Readers verify every file against the manifest
-and fall back to the previous checkpoint when one is corrupt.
+intact and `latest` pointing at a complete one.
+
+Saving asynchronously costs the training loop only a copy. On a GPU: a device-to-host copy into
+pinned buffers, issued on a side CUDA stream so that it overlaps the next forward and backward
+(which only read the weights); the optimizer step, which writes them, first makes the GPU wait for
+that copy (`Saver.fence`). A background thread then writes the file. Its heavy parts, writing,
+hashing and fsync, release Python's GIL, so the training thread keeps launching work meanwhile.
 
 The format is sharded from day one: each tensor entry records which slice of the full tensor
 the file holds (`shard`: split `dim` into `count` parts, optionally within `groups` blocks, keep
-part `index`), so a checkpoint written by one layout can be read by another.
+part `index`; `flat`: a range of the flattened slice, for ZeRO), so a checkpoint written by one
+layout can be read by another. The data files are safetensors (a JSON header, then raw bytes), the
+format Hugging Face uses, so any tool can open them.
 """
 
+import base64
 import hashlib
-import io
 import json
 import math
 import os
 import random
+import re
 import shutil
 import signal
 import sys
@@ -46,28 +63,58 @@ import torch
 from model import canonical_name
 from parallel import take_shard, unshard
 
-FORMAT, VERSION = "nanoscale-checkpoint", 1
-COMMIT_TIMEOUT_S = 600
+FORMAT, VERSION = "nanoscale-checkpoint", 2
+STEP_DIR = re.compile(r"step_\d{8}")
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be used: corrupt, incomplete, or from an incompatible run."""
+    """A checkpoint that cannot be used; printed as one line."""
+
+
+class CorruptCheckpoint(CheckpointError):
+    """Damaged, incomplete or from another run: a reader tries the previous checkpoint."""
+
+
+class IncompatibleCheckpoint(CheckpointError):
+    """Intact, but written by a different setup: continuing from it would be a different run."""
+
+
+# ----------------------------------------------------------------------------- bytes on disk
 
 
 def sha256_bytes(b: bytes) -> str:
     return hashlib.sha256(b).hexdigest()
 
 
+def sha256_file(path: Path, chunk: int = 1 << 24) -> tuple[str, int]:
+    """(sha256, size) of a file, read in chunks (hashlib releases the GIL on each)."""
+    h, size, buf = hashlib.sha256(), 0, bytearray(chunk)
+    with open(path, "rb") as f:
+        while n := f.readinto(buf):
+            h.update(memoryview(buf)[:n])
+            size += n
+    return h.hexdigest(), size
+
+
 def write_durably(path: Path, payload: bytes) -> dict:
     """Write, fsync, read back and check the hash: a file that returns is on disk as intended."""
+    return write_chunks(path, [payload])
+
+
+def write_chunks(path: Path, chunks) -> dict:
+    """write_durably for data in pieces (memoryviews of tensors): nothing is joined in memory."""
+    h, size = hashlib.sha256(), 0
     with open(path, "wb") as f:
-        f.write(payload)
+        for chunk in chunks:
+            h.update(chunk)  # hashing and writing a large buffer both run without the GIL
+            f.write(chunk)
+            size += len(chunk)
         f.flush()
         os.fsync(f.fileno())
-    digest = sha256_bytes(payload)
-    if sha256_bytes(path.read_bytes()) != digest:
+    digest = h.hexdigest()
+    if sha256_file(path) != (digest, size):
         raise CheckpointError(f"{path} does not read back as written")
-    return {"sha256": digest, "bytes": len(payload)}
+    return {"sha256": digest, "bytes": size}
 
 
 def fsync_dir(path: Path) -> None:
@@ -85,23 +132,90 @@ def replace_atomically(path: Path, text: str) -> None:
     fsync_dir(path.parent)
 
 
+# safetensors: an 8-byte little-endian header length, a JSON header {name: {dtype, shape,
+# data_offsets}} (plus "__metadata__", a {str: str} map), then the raw bytes, 8-byte aligned.
+SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64}
+
+
+def _raw(t: torch.Tensor) -> memoryview:
+    """The bytes of a CPU tensor, without a copy when it is contiguous."""
+    return memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> dict:
+    """Write CPU tensors as one safetensors file, durably; returns its sha256 and size."""
+    names = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+    header, offset = {"__metadata__": {"format": "pt", **(metadata or {})}}, 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    head = json.dumps(header).encode()
+    head += b" " * (-len(head) % 8)  # keep the data 8-byte aligned
+    pieces = (_raw(t.cpu()) for t in tensors.values())
+    return write_chunks(path, [len(head).to_bytes(8, "little") + head, *pieces])
+
+
+def _safetensors_header(raw: np.ndarray, path: Path) -> tuple[int, dict]:
+    n = int.from_bytes(raw[:8].tobytes(), "little") if raw.size >= 8 else -1
+    try:
+        if not 0 < n <= raw.size - 8:
+            raise ValueError("bad header length")
+        return n, json.loads(raw[8:8 + n].tobytes())
+    except ValueError:
+        raise CheckpointError(f"{path}: not a safetensors file (unreadable header)") from None
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """Tensors backed by a memory map of the file: nothing is read until it is used."""
+    raw = np.memmap(path, dtype=np.uint8, mode="c")  # copy-on-write: torch wants writable memory
+    n, header = _safetensors_header(raw, path)
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] not in SAFETENSORS_DTYPES:
+            raise CheckpointError(f"{path}: tensor {name} has dtype {info['dtype']}, which this code does not read")
+        a, z = info["data_offsets"]
+        buf = raw[8 + n + a:8 + n + z]
+        dtype = SAFETENSORS_DTYPES[info["dtype"]]
+        out[name] = (torch.frombuffer(buf, dtype=dtype) if z > a else torch.empty(0, dtype=dtype)).view(info["shape"])
+    return out
+
+
+def safetensors_metadata(path: Path) -> dict[str, str]:
+    raw = np.memmap(path, dtype=np.uint8, mode="r")
+    return _safetensors_header(raw, path)[1].get("__metadata__", {})
+
+
 # ----------------------------------------------------------------------------- what a rank saves
 
 
-def rng_state() -> dict:
-    np_state = np.random.get_state()
-    return {"python": random.getstate(), "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
-            "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.numpy().tobytes()).decode()
 
 
-def set_rng_state(state: dict) -> None:
-    random.setstate(tuple(x if not isinstance(x, list) else tuple(x) for x in state["python"]))
+def _unb64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
+
+
+def rng_state(device: torch.device) -> dict:
+    """Every random stream this process draws from, as JSON: Python, NumPy, torch's CPU generator,
+    and the generator of this process's GPU."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"python": random.getstate(), "numpy": [kind, keys.tolist(), pos, has_gauss, cached],
+            "torch": _b64(torch.get_rng_state()),
+            "cuda": _b64(torch.cuda.get_rng_state(device)) if device.type == "cuda" else None}
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
     kind, keys, *rest = state["numpy"]
     np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    torch.set_rng_state(_unb64(state["torch"]))
+    if state["cuda"] is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(_unb64(state["cuda"]), device)
 
 
 def entry(t: torch.Tensor, name: str, p: torch.Tensor, flat: tuple[int, int] | None = None) -> tuple:
@@ -150,11 +264,6 @@ def optimizer_steps(opt) -> int:
     return steps[0] if steps else 0
 
 
-def snapshot(model, opt, grid) -> dict[str, tuple]:
-    """CPU copies of this rank's tensors: the training loop may change the originals right after."""
-    return {k: (t.to("cpu", copy=True), info) for k, (t, info) in tensor_entries(model, opt, grid).items()}
-
-
 def full_shape(info: dict) -> list[int]:
     shape, spec = list(info["local_shape"]), info["shard"]
     if spec:
@@ -167,28 +276,49 @@ def full_shape(info: dict) -> list[int]:
 
 class Saver:
     """Writes checkpoints, synchronously or from a background thread (`asynchronous`). Either way
-    `save` returns once the state is copied, and `wait` returns once the checkpoint is complete."""
+    `save` returns once the state is copied (on a GPU: once the copy is *issued*; call `fence`
+    before changing the weights), and `wait` returns once the checkpoint is complete.
 
-    def __init__(self, ckpt_dir: Path, keep: int, asynchronous: bool, grid):
+    Each finished save is described by a dict: its step, bytes, the seconds the training thread
+    spent in `save` (`blocking_s`: the whole write when synchronous, the copy when not), and the
+    seconds from the start of the save to the commit (`write_s`)."""
+
+    def __init__(self, ckpt_dir: Path, keep: int, asynchronous: bool, grid, run: str,
+                 timeout_s: float = 600.0):
         self.dir, self.keep, self.asynchronous, self.grid = Path(ckpt_dir), keep, asynchronous, grid
+        self.run, self.timeout_s = run, timeout_s
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
+        self.host: dict[str, torch.Tensor] = {}  # reusable host copies, pinned on a GPU machine
+        self.stream, self.copied = None, None  # the side stream of the copy, and its "done" event
+        self.last: dict | None = None
+        self.finished: list[dict] = []  # saves completed since the caller last looked (pop_finished)
 
-    def save(self, step: int, model, opt, grid, extra: dict, meta: dict, crash_mid_save: bool = False):
-        self.wait()
-        tmp = self.dir / f".tmp-step_{step:08d}"
-        if grid.rank == 0:  # a crash may have left a partial one behind
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
+    def save(self, step: int, model, opt, extra: dict, meta: dict, crash_mid_save: bool = False) -> None:
+        t0 = time.perf_counter()
+        self.wait()  # the previous write must be done before its buffers are reused
+        grid, tmp = self.grid, self.dir / f".tmp-step_{step:08d}"
+        if grid.rank == 0:
+            self._fail_cleanly(step, self._prepare_tmp, tmp)
         grid.barrier()
-        tensors = snapshot(model, opt, grid)
-        rank_state = {"extra": {**extra, "step": step, "opt_step": optimizer_steps(opt)}, "rng": rng_state()}
-        args = (step, tmp, tensors, rank_state, meta, crash_mid_save)
+        host = self._to_host(tensor_entries(model, opt, grid))
+        rank_state = {"extra": {**extra, "step": step, "opt_step": optimizer_steps(opt)},
+                      "rng": rng_state(grid.device)}
+        record = {"step": step}  # the writer adds the bytes and seconds, then appends it to `finished`
+        args = (step, tmp, host, self.copied, rank_state, meta, crash_mid_save, record, t0)
         if self.asynchronous:
             self.thread = threading.Thread(target=self._write_catching, args=args, name="ckpt-writer")
             self.thread.start()
         else:
-            self._write(*args)
+            self._fail_cleanly(step, self._write, *args)
+        record["blocking_s"] = time.perf_counter() - t0  # what the training loop paid
+
+    def fence(self) -> None:
+        """Before anything changes a tensor the last save copied (the optimizer step): make the GPU
+        wait for the copy. The host does not wait."""
+        if self.copied is not None:
+            torch.cuda.current_stream().wait_event(self.copied)
+            self.copied = None
 
     def wait(self) -> None:
         if self.thread is not None:
@@ -198,20 +328,71 @@ class Saver:
             err, self.error = self.error, None
             raise CheckpointError(f"the background checkpoint write failed: {err}") from err
 
-    def _write_catching(self, *args) -> None:
+    def pop_finished(self) -> list[dict]:
+        done, self.finished = self.finished, []
+        return done
+
+    def _prepare_tmp(self, tmp: Path) -> None:
+        """Rank 0, before every rank writes: an empty temporary directory, and no leftovers. A
+        crash mid-save leaves a .tmp- directory; a run that fell back from a corrupt checkpoint
+        reaches its step again and replaces it (removed here, before the barrier, so that no rank
+        mistakes the old directory for the new commit)."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for stale in self.dir.glob(".tmp-step_*"):  # this process holds the lock on --out: nobody else writes
+            shutil.rmtree(stale)
+        shutil.rmtree(self.dir / tmp.name.removeprefix(".tmp-"), ignore_errors=True)
+        tmp.mkdir()
+
+    def _fail_cleanly(self, step: int, fn, *args) -> None:
+        """A full disk or a read-only directory becomes one CheckpointError line."""
         try:
-            self._write(*args)
+            fn(*args)
+        except OSError as e:
+            raise CheckpointError(f"could not write the checkpoint of step {step} in {self.dir}: "
+                                  f"{e.strerror or e}") from e
+
+    def _to_host(self, entries: dict[str, tuple]) -> dict[str, tuple]:
+        """Copy this rank's tensors into host buffers that are allocated once and reused. On a GPU
+        the copies are only issued, on a side stream, and `self.copied` records when they finish."""
+        on_gpu = self.grid.device.type == "cuda"
+        host = {}
+        for key, (t, info) in entries.items():
+            buf = self.host.get(key)
+            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=on_gpu)  # pinned: truly asynchronous
+            host[key] = (buf, info)
+        self.host = {key: buf for key, (buf, _) in host.items()}
+        if not on_gpu:
+            for key, (t, _) in entries.items():
+                host[key][0].copy_(t)
+            self.copied = None
+            return host
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(self.grid.device)
+        self.stream.wait_stream(torch.cuda.current_stream())  # the weights as of now, after the last update
+        with torch.cuda.stream(self.stream):
+            for key, (t, _) in entries.items():
+                host[key][0].copy_(t, non_blocking=True)
+            self.copied = torch.cuda.Event()
+            self.copied.record(self.stream)
+        return host
+
+    def _write_catching(self, step, *args) -> None:
+        try:
+            self._fail_cleanly(step, self._write, step, *args)
         except BaseException as e:  # surfaced by the next wait()
             self.error = e
 
-    def _write(self, step, tmp, tensors, rank_state, meta, crash_mid_save) -> None:
+    def _write(self, step, tmp, host, copied, rank_state, meta, crash_mid_save, record, t0) -> None:
+        if copied is not None:
+            copied.synchronize()  # releases the GIL while the GPU finishes the copy
         g = self.grid
-        fname = f"rank{g.rank:05d}.pt"
-        payload = io.BytesIO()
-        torch.save({"tensors": {k: t for k, (t, _) in tensors.items()}, **rank_state}, payload)
-        info = {"files": {fname: write_durably(tmp / fname, payload.getvalue())},
+        fname = f"rank{g.rank:05d}.safetensors"
+        tensors = {key: buf for key, (buf, _) in host.items()}
+        written = write_safetensors(tmp / fname, tensors, {"nanoscale_state": json.dumps(rank_state)})
+        info = {"files": {fname: written},
                 "tensors": [{**d, "key": k, "file": fname, "full_shape": full_shape(d),
-                             "dtype": str(t.dtype).removeprefix("torch.")} for k, (t, d) in tensors.items()]}
+                             "dtype": str(buf.dtype).removeprefix("torch.")} for k, (buf, d) in host.items()]}
         if crash_mid_save:  # fault injection: die between the data file and its description
             os.kill(os.getpid(), signal.SIGKILL)
         replace_atomically(tmp / f"rank{g.rank:05d}.json", json.dumps(info))  # rank 0 polls for it: whole or absent
@@ -219,24 +400,29 @@ class Saver:
         if g.rank == 0:
             self._commit(step, tmp, final, meta)
         else:  # wait() means "complete" on every rank
-            wait_for(lambda: (self.dir / "latest").exists() and final.exists(), f"rank 0 to commit {final}")
+            wait_for(lambda: final.exists(), f"rank 0 to commit {final}", self.timeout_s)
+        record.update(bytes=written["bytes"], write_s=time.perf_counter() - t0)
+        self.last = record
+        self.finished.append(record)
 
     def _commit(self, step: int, tmp: Path, final: Path, meta: dict) -> None:
         g = self.grid
         parts = [tmp / f"rank{r:05d}.json" for r in range(g.world)]
-        wait_for(lambda: all(p.exists() for p in parts), f"every rank's shard of step {step}")
+        wait_for(lambda: all(p.exists() for p in parts), f"every rank's shard of step {step}", self.timeout_s)
         files, tensors = {}, []
         for p in parts:
             info = json.loads(p.read_text())
             files.update(info["files"])
             tensors += info["tensors"]
-        manifest = {"format": FORMAT, "version": VERSION, "step": step, "meta": meta,
-                    "layout": {"dp": g.dp, "tp": g.tp, "pp": g.pp}, "files": files, "tensors": tensors}
+        manifest = seal({"format": FORMAT, "version": VERSION, "run": self.run, "step": step, "meta": meta,
+                         "layout": {"dp": g.dp, "tp": g.tp, "pp": g.pp}, "files": files, "tensors": tensors})
         write_durably(tmp / "manifest.json", json.dumps(manifest, indent=1).encode())
         fsync_dir(tmp)
         shutil.rmtree(final, ignore_errors=True)  # a same-step leftover from a run we rolled back
         os.rename(tmp, final)
         fsync_dir(self.dir)
+        if (self.dir / "latest").is_dir():  # junk where the pointer goes (it was reported when read)
+            shutil.rmtree(self.dir / "latest")
         replace_atomically(self.dir / "latest", final.name)
         self._prune(final)
 
@@ -247,54 +433,135 @@ class Saver:
                 shutil.rmtree(old, ignore_errors=True)
 
 
-def wait_for(ready, what: str, timeout_s: float = COMMIT_TIMEOUT_S) -> None:
+def wait_for(ready, what: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while not ready():
         if time.monotonic() > deadline:
-            raise CheckpointError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+            raise CheckpointError(f"timed out after {timeout_s:.0f}s (--timeout) waiting for {what}")
         time.sleep(0.01)
+
+
+# ----------------------------------------------------------------------------- the manifest
+
+
+def _canonical(d: dict) -> bytes:
+    return json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
+
+
+def seal(body: dict) -> dict:
+    """The manifest with the sha256 of everything else in it."""
+    return {**body, "sha256": sha256_bytes(_canonical(body))}
+
+
+def _need(ok: bool, what: str) -> None:
+    if not ok:
+        raise CorruptCheckpoint(f"manifest.json: {what}")
+
+
+def _is_int(x, lo: int = 0) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= lo
+
+
+def _is_shape(x) -> bool:
+    return isinstance(x, list) and all(_is_int(n) for n in x)
+
+
+def check_schema(m: dict) -> None:
+    """Every field a reader relies on is there and has the right type, so that well-formed JSON of
+    the wrong shape fails here, with a name, not later as a KeyError."""
+    _need(m.get("format") == FORMAT and m.get("version") == VERSION, f"not a {FORMAT} v{VERSION} manifest")
+    for key, kind in (("run", str), ("meta", dict), ("layout", dict), ("files", dict), ("tensors", list)):
+        _need(isinstance(m.get(key), kind), f"field {key!r} is missing or not a {kind.__name__}")
+    _need(_is_int(m.get("step")), "field 'step' is missing or not a non-negative integer")
+    _need(all(_is_int(m["layout"].get(k), 1) for k in ("dp", "tp", "pp")), "layout needs dp, tp, pp >= 1")
+    for name, f in m["files"].items():
+        _need(re.fullmatch(r"rank\d{5}\.safetensors", name) is not None, f"unexpected file name {name!r}")
+        _need(isinstance(f, dict) and isinstance(f.get("sha256"), str) and re.fullmatch(r"[0-9a-f]{64}", f["sha256"])
+              is not None and _is_int(f.get("bytes")), f"file {name}: needs a sha256 and a size")
+    keys = set()
+    for i, e in enumerate(m["tensors"]):
+        where = f"tensors[{i}]"
+        _need(isinstance(e, dict) and isinstance(e.get("name"), str) and isinstance(e.get("key"), str),
+              f"{where}: needs a name and a key")
+        _need(e.get("file") in m["files"], f"{where}: file {e.get('file')!r} is not in the files table")
+        _need((e["file"], e["key"]) not in keys, f"{where}: key {e['key']!r} appears twice in {e['file']}")
+        keys.add((e["file"], e["key"]))
+        _need(e.get("dtype") in {"float32", "float16", "bfloat16"}, f"{where}: dtype {e.get('dtype')!r}")
+        _need(_is_shape(e.get("local_shape")) and _is_shape(e.get("full_shape")), f"{where}: shapes")
+        s = e.get("shard")
+        _need(s is None or (isinstance(s, dict) and all(_is_int(s.get(k)) for k in ("dim", "index", "count", "groups"))
+                            and s["index"] < s["count"] and s["dim"] < len(e["local_shape"])), f"{where}: shard")
+        f = e.get("flat")
+        _need(f is None or (isinstance(f, list) and len(f) == 2 and all(_is_int(x) for x in f) and f[0] < f[1]),
+              f"{where}: flat range")
+
+
+def read_manifest(path: Path) -> dict:
+    """The manifest, after checking its own sha256 and its schema."""
+    try:
+        manifest = json.loads((path / "manifest.json").read_bytes())
+    except (OSError, ValueError) as e:
+        raise CorruptCheckpoint(f"{path}: no readable manifest.json ({e.__class__.__name__})") from None
+    if not isinstance(manifest, dict):
+        raise CorruptCheckpoint(f"{path}: manifest.json is not a JSON object")
+    if manifest.get("format") == FORMAT and manifest.get("version") != VERSION:
+        raise CorruptCheckpoint(f"{path}: written in checkpoint format v{manifest.get('version')}, this code reads "
+                                f"v{VERSION}; start a new run with --fresh")
+    body = {k: v for k, v in manifest.items() if k != "sha256"}
+    if manifest.get("sha256") != sha256_bytes(_canonical(body)):
+        raise CorruptCheckpoint(f"{path}: manifest.json does not match its own sha256 (corrupted or edited)")
+    try:
+        check_schema(manifest)
+    except CorruptCheckpoint as e:
+        raise CorruptCheckpoint(f"{path}: {e}") from None
+    return manifest
+
+
+def verify_file(path: Path, want: dict) -> None:
+    if not path.is_file():
+        raise CorruptCheckpoint(f"{path} is missing")
+    digest, size = sha256_file(path)
+    if size != want["bytes"]:
+        raise CorruptCheckpoint(f"{path} has {size} bytes, the manifest says {want['bytes']} (truncated?)")
+    if digest != want["sha256"]:
+        raise CorruptCheckpoint(f"{path} does not match its sha256 in the manifest (corrupted)")
+
+
+def verify(path: Path) -> dict:
+    """Check the manifest, then every file against its size and sha256; return the manifest."""
+    manifest = read_manifest(path)
+    for name, want in manifest["files"].items():
+        verify_file(path / name, want)
+    return manifest
 
 
 # ----------------------------------------------------------------------------- reading
 
 
-def read_manifest(path: Path) -> dict:
+def candidates(ckpt_dir: Path, log=print) -> list[Path]:
+    """Checkpoint directories to try, best first: the one `latest` names, then every step_*
+    directory, newest first. An unreadable `latest` is reported and passed over."""
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        return []
+    found = sorted((p for p in ckpt_dir.glob("step_*") if STEP_DIR.fullmatch(p.name) and p.is_dir()), reverse=True)
+    pointer = ckpt_dir / "latest"
     try:
-        manifest = json.loads((path / "manifest.json").read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: no readable manifest.json ({e.__class__.__name__})") from None
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
-        raise CheckpointError(f"{path}: not a {FORMAT} v{VERSION} checkpoint")
-    return manifest
-
-
-def verify(path: Path) -> dict:
-    """Check every file against the manifest's size and sha256; return the manifest."""
-    manifest = read_manifest(path)
-    for name, want in manifest["files"].items():
-        f = path / name
-        if not f.exists():
-            raise CheckpointError(f"{f} is missing")
-        data = f.read_bytes()
-        if len(data) != want["bytes"]:
-            raise CheckpointError(f"{f} has {len(data)} bytes, the manifest says {want['bytes']} (truncated?)")
-        if sha256_bytes(data) != want["sha256"]:
-            raise CheckpointError(f"{f} does not match its sha256 in the manifest (corrupted)")
-    return manifest
+        name = pointer.read_text().strip() if pointer.exists() else None
+    except (OSError, UnicodeDecodeError) as e:
+        log(f"checkpoint pointer {pointer} is unreadable ({e.__class__.__name__}); trying every checkpoint")
+        name = None
+    if name is not None and not STEP_DIR.fullmatch(name):
+        log(f"checkpoint pointer {pointer} holds {name[:40]!r}, not a checkpoint name; trying every checkpoint")
+        name = None
+    if name is not None and (ckpt_dir / name) in found:
+        found = [ckpt_dir / name] + [p for p in found if p.name != name]
+    return found
 
 
 def latest(ckpt_dir: Path, log=print) -> Path | None:
-    """The newest checkpoint that verifies. `latest` is tried first, then every step directory,
-    newest first; each unusable one is reported by name."""
-    ckpt_dir = Path(ckpt_dir)
-    if not ckpt_dir.exists():
-        return None
-    pointer = ckpt_dir / "latest"
-    candidates = sorted(ckpt_dir.glob("step_*"), reverse=True)
-    if pointer.exists():
-        first = ckpt_dir / pointer.read_text().strip()
-        candidates = [first] + [c for c in candidates if c != first]
-    for path in candidates:
+    """The newest checkpoint that verifies; each unusable one is reported by name."""
+    for path in candidates(ckpt_dir, log):
         try:
             verify(path)
             return path
@@ -304,23 +571,22 @@ def latest(ckpt_dir: Path, log=print) -> Path | None:
 
 
 def check_compatible(manifest: dict, meta: dict, path: Path) -> None:
-    """Refuse a checkpoint whose model, tokenizer or batch math differs from this run's."""
+    """Refuse a checkpoint whose math differs from this run's: every key of `meta` but "config"
+    must match (train.py puts there the model, the tokenizer, the data and the batch math)."""
     saved = manifest["meta"]
-    diffs = []
-    for key in ("model", "tokenizer", "batch_size", "seq_len"):
-        if saved.get(key) != meta.get(key):
-            diffs.append(f"{key}: checkpoint has {saved.get(key)}, this run has {meta.get(key)}")
+    diffs = [f"{key}: checkpoint has {saved.get(key)}, this run has {value}"
+             for key, value in meta.items() if key != "config" and saved.get(key) != value]
     if diffs:
-        raise CheckpointError(f"{path} is from an incompatible run ({'; '.join(diffs)}); point --out "
-                              "elsewhere or pass --fresh to start over")
+        raise IncompatibleCheckpoint(f"{path} is from an incompatible run ({'; '.join(diffs)}); resume with "
+                                     "the same settings, point --out elsewhere, or pass --fresh to start over")
 
 
 class Reader:
     """Full tensors by logical name, reassembled from whatever layout wrote them."""
 
     def __init__(self, path: Path, manifest: dict):
-        self.files = {name: torch.load(path / name, map_location="cpu", weights_only=True)
-                      for name in manifest["files"]}
+        self.path, self.manifest = path, manifest
+        self.files = {name: read_safetensors(path / name) for name in manifest["files"]}
         self.entries = {}
         for e in manifest["tensors"]:
             self.entries.setdefault(e["name"], []).append(e)
@@ -328,63 +594,122 @@ class Reader:
     def __contains__(self, name: str) -> bool:
         return name in self.entries
 
+    def rank_state(self, rank: int) -> dict | None:
+        """The run state and RNG states rank `rank` saved (in its file's header)."""
+        name = f"rank{rank:05d}.safetensors"
+        if name not in self.manifest["files"]:
+            return None
+        try:
+            return json.loads(safetensors_metadata(self.path / name)["nanoscale_state"])
+        except (KeyError, ValueError):
+            raise CorruptCheckpoint(f"{self.path / name}: no run state in its header") from None
+
     def full(self, name: str) -> torch.Tensor:
         """Concatenate each tensor-parallel slice's flat pieces, then join the slices."""
         if name not in self.entries:
-            raise CheckpointError(f"tensor {name} is not in the checkpoint")
+            raise CorruptCheckpoint(f"{self.path}: tensor {name} is not in the checkpoint")
         slices = {}
         for e in self.entries[name]:
             slices.setdefault(e["shard"]["index"] if e["shard"] else 0, []).append(e)
         local = [self.local_slice(name, slices[i]) for i in sorted(slices)]
         spec = self.entries[name][0]["shard"]
         if spec is not None and len(local) != spec["count"]:
-            raise CheckpointError(f"{name}: {len(local)} of {spec['count']} tensor-parallel slices present")
+            raise CorruptCheckpoint(f"{name}: {len(local)} of {spec['count']} tensor-parallel slices present")
         return local[0] if spec is None else unshard(local, spec)
+
+    def stored(self, e: dict) -> torch.Tensor:
+        t = self.files[e["file"]].get(e["key"])
+        if t is None or list(t.shape) != (e["local_shape"] if e["flat"] is None else [e["flat"][1] - e["flat"][0]]):
+            raise CorruptCheckpoint(f"{self.path / e['file']}: {e['key']} is missing or not the shape in the manifest")
+        return t
 
     def local_slice(self, name: str, parts: list[dict]) -> torch.Tensor:
         if parts[0]["flat"] is None:
-            return self.files[parts[0]["file"]]["tensors"][parts[0]["key"]]
+            return self.stored(parts[0])
         parts = sorted(parts, key=lambda e: e["flat"][0])
         numel, pos = math.prod(parts[0]["local_shape"]), 0
         for e in parts:
             if e["flat"][0] != pos:
-                raise CheckpointError(f"{name}: flat pieces leave a gap at element {pos}")
+                raise CorruptCheckpoint(f"{name}: flat pieces leave a gap at element {pos}")
             pos = e["flat"][1]
         if pos != numel:
-            raise CheckpointError(f"{name}: flat pieces cover {pos} of {numel} elements")
-        flat = torch.cat([self.files[e["file"]]["tensors"][e["key"]] for e in parts])
-        return flat.view(parts[0]["local_shape"])
+            raise CorruptCheckpoint(f"{name}: flat pieces cover {pos} of {numel} elements")
+        return torch.cat([self.stored(e) for e in parts]).view(parts[0]["local_shape"])
 
 
-def load(path: Path, model, opt, grid, meta: dict) -> dict:
-    """Load a verified checkpoint into this rank's model and optimizer; return the run state
-    ('extra', with 'step'). Every tensor is rebuilt whole, then cut to this rank's slice, so any
-    layout reads any other's checkpoint."""
-    manifest = verify(path)
-    check_compatible(manifest, meta, path)
+def load(path: Path, model, opt, grid, manifest: dict | None = None) -> dict:
+    """Load a checkpoint into this rank's model and optimizer; return the run state ('extra', with
+    'step'). Every tensor is rebuilt whole, then cut to this rank's slice, so any layout reads any
+    other's checkpoint. Everything is read and checked before anything is changed: a checkpoint
+    that turns out to be unusable leaves the model as it was."""
+    manifest = manifest or verify(path)
     reader = Reader(path, manifest)
-    extra = reader.files["rank00000.pt"]["extra"]
+    state0 = reader.rank_state(0)
+    if state0 is None:
+        raise CorruptCheckpoint(f"{path}: rank 0's file is not in the manifest")
     params = dict(model.named_parameters())
+    values, moments = {}, {}  # this rank's slices, on the CPU until everything has been read
     for name, p in params.items():
-        name = canonical_name(name)
-        value = reader.full(f"{name}::master" if f"{name}::master" in reader else name)
-        with torch.no_grad():
-            p.copy_(local_part(value, p))
-    def state(name: str, p: torch.Tensor, kind: str) -> torch.Tensor | None:
-        key = f"{canonical_name(name)}::{kind}"
-        return local_part(reader.full(key), p, torch.float32) if key in reader else None
-
-    if hasattr(opt, "load_pieces"):
-        opt.load_pieces(model, state, extra["opt_step"])
-    else:
+        key = canonical_name(name)
+        master = f"{key}::master"  # ZeRO under bf16 keeps fp32 masters: the better copy of the weights
+        values[name] = local_part(reader.full(master if master in reader else key), p, device="cpu")
+        for kind in ("exp_avg", "exp_avg_sq", "master"):
+            if f"{key}::{kind}" in reader:
+                moments[name, kind] = local_part(reader.full(f"{key}::{kind}"), p, torch.float32, "cpu")
+    mine = reader.rank_state(grid.rank) if manifest["layout"] == layout_of(grid) else None
+    with torch.no_grad():  # now change things
         for name, p in params.items():
-            if state(name, p, "exp_avg") is not None:
-                opt.state[p] = {"step": torch.tensor(float(extra["opt_step"])),
-                                "exp_avg": state(name, p, "exp_avg"), "exp_avg_sq": state(name, p, "exp_avg_sq")}
-    mine = reader.files.get(f"rank{grid.rank:05d}.pt") if manifest["layout"] == layout_of(grid) else None
+            p.copy_(values[name])
+    load_optimizer(opt, model, moments, state0["extra"]["opt_step"])
     if mine is not None:  # same layout: this rank continues its own random streams exactly
-        set_rng_state(mine["rng"])
-    return extra
+        set_rng_state(mine["rng"], grid.device)
+    return state0["extra"]
+
+
+def load_optimizer(opt, model, moments: dict, steps: int) -> None:
+    """AdamW's state from per-parameter moments. torch's own load_state_dict puts each piece on the
+    device and in the dtype this optimizer needs (fused AdamW wants its step count on the GPU)."""
+    if hasattr(opt, "load_pieces"):  # ZeRO: cut the full moments into this rank's flat shards
+        opt.load_pieces(model, lambda name, p, kind: moments.get((name, kind)), steps)
+        return
+    index = {id(p): i for i, p in enumerate(p for group in opt.param_groups for p in group["params"])}
+    state = {index[id(p)]: {"step": torch.tensor(float(steps)), "exp_avg": moments[name, "exp_avg"],
+                            "exp_avg_sq": moments[name, "exp_avg_sq"]}
+             for name, p in model.named_parameters() if (name, "exp_avg") in moments and id(p) in index}
+    opt.load_state_dict({"state": state, "param_groups": opt.state_dict()["param_groups"]})
+
+
+def agree(grid, ok: bool) -> bool:
+    """True when every rank says ok: all ranks must pick the same checkpoint."""
+    if grid.world == 1:
+        return ok
+    flag = torch.tensor([0.0 if ok else 1.0], device=grid.device)
+    grid.all_reduce(flag, "world")
+    return flag.item() == 0
+
+
+def restore(ckpt_dir: Path, model, opt, grid, meta: dict, run: str, log=print) -> tuple[Path, dict, dict] | None:
+    """Load the newest usable checkpoint of run `run` into the model and optimizer: (its path, its run
+    state, its manifest), or None when the directory holds none. Unusable ones are reported and passed over, an
+    incompatible one stops the run, and when checkpoints exist but none is usable the run stops
+    rather than silently starting again from step 0."""
+    tried = candidates(ckpt_dir, log)
+    for path in tried:
+        try:
+            manifest = verify(path)
+            if manifest["run"] != run:
+                raise CorruptCheckpoint(f"{path} was written by another run ({manifest['run']}; this is {run})")
+            check_compatible(manifest, meta, path)
+            extra, ok = load(path, model, opt, grid, manifest), True
+        except CorruptCheckpoint as e:
+            log(f"checkpoint unusable, trying an older one: {e}")
+            ok = False
+        if agree(grid, ok):
+            return path, extra, manifest
+    if not tried:
+        return None
+    raise CheckpointError(f"no usable checkpoint of this run in {ckpt_dir} ({len(tried)} tried, see above): repair "
+                          "or remove them, or pass --fresh to start a new run (this one is moved aside)")
 
 
 def consolidate(path: Path) -> dict[str, torch.Tensor]:
@@ -400,13 +725,15 @@ def layout_of(grid) -> dict:
     return {"dp": grid.dp, "tp": grid.tp, "pp": grid.pp}
 
 
-def local_part(full: torch.Tensor, p: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The slice of `full` that parameter p holds on this rank (p.shard says which)."""
+def local_part(full: torch.Tensor, p: torch.Tensor, dtype: torch.dtype | None = None,
+               device: str | torch.device | None = None) -> torch.Tensor:
+    """The slice of `full` that parameter p holds on this rank (p.shard says which), on p's device
+    unless another is given."""
     part = take_shard(full, getattr(p, "shard", None))
     if part.shape != p.shape:
-        raise CheckpointError(f"checkpoint tensor of shape {tuple(part.shape)} does not fit a parameter "
-                              f"of shape {tuple(p.shape)}")
-    return part.to(device=p.device, dtype=dtype or p.dtype)
+        raise CorruptCheckpoint(f"checkpoint tensor of shape {tuple(part.shape)} does not fit a parameter "
+                                f"of shape {tuple(p.shape)}")
+    return part.to(device=device or p.device, dtype=dtype or p.dtype)
 
 
 # ----------------------------------------------------------------------------- Hugging Face GPT-2
@@ -414,42 +741,9 @@ def local_part(full: torch.Tensor, p: torch.Tensor, dtype: torch.dtype | None = 
 # A Hugging Face GPT-2 directory holds config.json and model.safetensors (or pytorch_model.bin).
 # Its names are ours, optionally without the "transformer." prefix; its Conv1D weights are our
 # nn.Linear weights transposed; its embedding has 50257 rows where ours is padded to 50304.
-# safetensors is simple enough to read and write here: an 8-byte little-endian header length,
-# a JSON header {name: {dtype, shape, data_offsets}}, then the raw bytes.
+# The weights are a safetensors file, read and written by the functions at the top of this file.
 
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-
-
-def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    """Tensors backed by a memory map of the file: nothing is read until it is used."""
-    raw = np.memmap(path, dtype=np.uint8, mode="c")  # copy-on-write: torch wants writable memory
-    n = int.from_bytes(raw[:8].tobytes(), "little")
-    header = json.loads(raw[8:8 + n].tobytes())
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        if info["dtype"] not in SAFETENSORS_DTYPES:
-            raise CheckpointError(f"{path}: tensor {name} has dtype {info['dtype']}, not a float type")
-        a, z = info["data_offsets"]
-        buf = raw[8 + n + a:8 + n + z]
-        out[name] = torch.frombuffer(buf, dtype=SAFETENSORS_DTYPES[info["dtype"]]).view(info["shape"])
-    return out
-
-
-def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    names = {v: k for k, v in SAFETENSORS_DTYPES.items()}
-    header, offset, blobs = {"__metadata__": {"format": "pt"}}, 0, []
-    for name, t in tensors.items():
-        blob = t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
-        header[name] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(blob)]}
-        offset += len(blob)
-        blobs.append(blob)
-    head = json.dumps(header).encode()
-    head += b" " * (-len(head) % 8)  # keep the data 8-byte aligned
-    write_durably(path, len(head).to_bytes(8, "little") + head + b"".join(blobs))
-
 
 def hf_config(directory: Path) -> dict:
     """GPTConfig fields from a Hugging Face GPT-2 config.json."""
@@ -519,29 +813,43 @@ def export_hf(path: Path, out_dir: Path) -> None:
 # ----------------------------------------------------------------------------- command line
 
 
-def inspect(path: Path) -> str:
-    manifest = verify(path)
-    lines = [f"{path}: step {manifest['step']}, layout {manifest['layout']}, all "
-             f"{len(manifest['files'])} files verified",
-             f"tokenizer {manifest['meta'].get('tokenizer')}, model {manifest['meta'].get('model')}", ""]
+def inspect(path: Path) -> tuple[str, bool]:
+    """A report of a checkpoint: the manifest's own check, every file's check, every tensor; and
+    whether all of it verified."""
+    try:
+        manifest = read_manifest(path)
+    except CorruptCheckpoint as e:
+        return f"{path}: BROKEN manifest: {e}", False
+    broken = []
+    lines = [f"{path}: step {manifest['step']} of run {manifest['run']}, layout {manifest['layout']}",
+             f"tokenizer {manifest['meta'].get('tokenizer')}, model {manifest['meta'].get('model')}", "",
+             f"  manifest.json     ok: its own sha256 {manifest['sha256'][:16]}... and schema check"]
     for name, info in manifest["files"].items():
-        lines.append(f"  {name:<16} {info['bytes'] / 1e6:9.2f} MB  sha256 {info['sha256'][:16]}...")
+        try:
+            verify_file(path / name, info)
+            status = f"ok: sha256 {info['sha256'][:16]}..."
+        except CorruptCheckpoint as e:
+            broken.append(name)
+            status = f"BROKEN: {e}"
+        lines.append(f"  {name:<22} {info['bytes'] / 1e6:9.2f} MB  {status}")
+    lines.append(f"  all {len(manifest['files'])} files verified" if not broken else
+                 f"  {len(broken)} of {len(manifest['files'])} files BROKEN: {', '.join(broken)}")
     lines.append("")
-    lines.append(f"  {'tensor':<44} {'full shape':<16} {'dtype':<9} {'file':<14} slice")
+    lines.append(f"  {'tensor':<44} {'full shape':<16} {'dtype':<9} {'file':<22} slice")
     for e in manifest["tensors"]:
         spec = e["shard"]
         where = "whole" if spec is None else f"dim {spec['dim']} part {spec['index'] + 1}/{spec['count']}"
         if e["flat"]:
             where += f", elements [{e['flat'][0]}, {e['flat'][1]})"
-        lines.append(f"  {e['name']:<44} {str(tuple(e['full_shape'])):<16} {e['dtype']:<9} {e['file']:<14} {where}")
-    return "\n".join(lines)
+        lines.append(f"  {e['name']:<44} {str(tuple(e['full_shape'])):<16} {e['dtype']:<9} {e['file']:<22} {where}")
+    return "\n".join(lines), not broken
 
 
 def main(argv=None) -> None:
     import argparse
     p = argparse.ArgumentParser(description="Inspect, consolidate and export nanoscale checkpoints.")
     sub = p.add_subparsers(dest="cmd", required=True)
-    sp = sub.add_parser("inspect", help="verify a checkpoint and print its manifest")
+    sp = sub.add_parser("inspect", help="verify a checkpoint (manifest and files) and print what it holds")
     sp.add_argument("path", help="a step_XXXXXXXX directory, or a ckpt/ directory (uses latest)")
     sp = sub.add_parser("consolidate", help="write the full model (any layout) to one torch file")
     sp.add_argument("path", help="a step_XXXXXXXX directory, or a ckpt/ directory (uses latest)")
@@ -553,7 +861,10 @@ def main(argv=None) -> None:
     try:
         path = resolve(args.path)
         if args.cmd == "inspect":
-            print(inspect(path))
+            text, ok = inspect(path)
+            print(text)
+            if not ok:
+                raise CorruptCheckpoint(f"{path} is unusable (see above)")
         elif args.cmd == "consolidate":
             weights = consolidate(path)
             torch.save(weights, args.file)
@@ -570,8 +881,11 @@ def main(argv=None) -> None:
 def resolve(path: str | Path) -> Path:
     """A checkpoint directory, or the one `latest` points to in a ckpt/ directory."""
     path = Path(path)
-    if (path / "latest").exists():
-        return path / (path / "latest").read_text().strip()
+    if (path / "latest").is_file():
+        try:
+            return path / (path / "latest").read_text().strip()
+        except (OSError, UnicodeDecodeError):
+            raise CheckpointError(f"{path / 'latest'} is unreadable; name a step_XXXXXXXX directory instead") from None
     if not (path / "manifest.json").exists():
         raise CheckpointError(f"{path} is neither a checkpoint nor a ckpt/ directory with a `latest` pointer")
     return path

@@ -5,15 +5,17 @@
      a directory,      UTF-8 only)        repetitive; exact and      or raw bytes for tests)
      a glob)                              near duplicates)
           ──split by document──▶ train.bin, val.bin ──Loader──▶ (B, T+1) windows, step by step
-             (seeded)              (header + uint16 tokens,      (a seeded permutation per epoch,
-                                    cached under a hash of        fixed by the global batch)
-                                    everything that made them)
+            (seeded; val sized     (header with sha256 +          (a seeded permutation per epoch,
+             in tokens)             uint16 tokens, cached under    fixed by the global batch)
+                                    a hash of all that made them)
 
 Tokenizer. GPT-2 byte-pair encoding (BPE) starts from the 256 byte values and applies 50,000
 learned merges ("t"+"he" -> "the"), so common strings become one token. tiktoken runs it fast
-but downloads the merge ranks on first use; where that host is unreachable, the same file comes
-from the package index (inside the openai-whisper source distribution). Every route checks the
-file's sha256: a tokenizer that is silently different ruins a model.
+but needs the merge ranks, a file normally downloaded from OpenAI. Where that host is unreachable,
+the same file comes from the package index pip is configured with: it ships inside the
+openai-whisper source distribution, found on the index's PEP 503 "simple" pages (an HTML list of
+links per project) by a small client below. Every route checks the file's sha256: a tokenizer that
+is silently different ruins a model. `python data.py --fetch-tokenizer` does this once, at setup.
 
 Cleaning. Duplicated text is memorized instead of learned, and leaks from train into val.
 Exact duplicates are found by hashing; near duplicates (a few words changed) by MinHash: the
@@ -24,10 +26,18 @@ avoids comparing all pairs: cut the signature into b=16 bands of r=8 rows; docum
 any band become candidates, with probability 1-(1-s^r)^b (6% at s=0.5, 95% at s=0.8), and each
 candidate pair is confirmed on the whole signature (>= near_dup_threshold, 0.8).
 
-Shards. One flat array of tokens per split behind a 24-byte header (magic, version, bytes per
-token, count), checked on open, so a truncated or foreign file fails loudly. A prepared
-directory is named by a hash of the source files (paths, sizes, mtimes), the tokenizer, the
-settings and FORMAT_VERSION, and appears atomically (written aside, then renamed).
+Split. Validation needs enough tokens for a steady loss: whole documents go to val in a seeded
+order until it holds --min-val-tokens (four default GPU evaluation batches), but at most a tenth
+of all tokens, so a small corpus is not eaten, and at least --val-fraction of them. Token counts
+are known only after tokenizing, so the split comes after it.
+
+Shards. One flat array of tokens per split behind a 56-byte header (magic, version, bytes per
+token, count, sha256 of the tokens), checked on open, so a truncated, foreign or corrupted file
+(a single flipped token) fails loudly, and so does a token outside the tokenizer's vocabulary.
+The check reads the shard once per run: ~20 ms for 15M tokens (30 MB) from the page cache on a
+CPU with SHA instructions. A prepared directory is named by a hash of the source files (paths,
+sizes, mtimes), the tokenizer, the settings and FORMAT_VERSION, and appears atomically (written
+aside, then renamed).
 
 Loader. Window i is tokens[i*T : i*T+T+1] (inputs and their next-token targets in one row).
 Each epoch visits every window once, in a permutation seeded by (seed, epoch). A step takes the
@@ -37,8 +47,11 @@ ints, all a checkpoint needs for an exact resume.
 """
 
 import argparse
+import ast
 import base64
 import hashlib
+import html
+import io
 import json
 import os
 import re
@@ -51,6 +64,8 @@ import tarfile
 import tempfile
 import time
 import unicodedata
+import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import asdict, dataclass, fields
 from glob import glob
@@ -61,7 +76,7 @@ import torch
 from tqdm import tqdm
 
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "nanoscale"
-FORMAT_VERSION = 1  # bump when the same settings would now give different shards
+FORMAT_VERSION = 2  # bump when the same settings would now give different shards
 EOT_TEXT = "<|endoftext|>"
 
 
@@ -112,7 +127,11 @@ class ByteTokenizer(Tokenizer):
 
 GPT2_URL = "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken"  # r50k_base == GPT-2
 GPT2_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
-GPT2_SDIST, GPT2_SDIST_MEMBER = "openai-whisper==20250625", "whisper/assets/gpt2.tiktoken"
+GPT2_FILE = "gpt2.tiktoken"  # its name in the cache directory
+# the same file ships in this source distribution on the package index (PEP 625 spells the name with _)
+GPT2_PROJECT, GPT2_SDISTS = "openai-whisper", ("openai_whisper-20250625.tar.gz", "openai-whisper-20250625.tar.gz")
+GPT2_SDIST_MEMBER = "whisper/assets/gpt2.tiktoken"
+PYPI_SIMPLE = "https://pypi.org/simple"  # the index pip uses when none is configured
 # the pre-tokenizer of openai/gpt-2's encoder.py: text is cut into these pieces, then BPE runs inside each
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
@@ -154,26 +173,89 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 
 def _download(url: str, timeout: float = 5) -> bytes:
-    with urllib.request.urlopen(url, timeout=timeout) as response:
+    """GET an http(s):// or file:// URL. A user:password@ in it (pip allows one in an index URL) is sent
+    as a Basic authorization header, which urllib does not do by itself, and not to a redirect's host."""
+    parts, request = urllib.parse.urlsplit(url), urllib.request.Request(url)
+    if parts.username is not None:
+        login = f"{urllib.parse.unquote(parts.username)}:{urllib.parse.unquote(parts.password or '')}"
+        request = urllib.request.Request(parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl())
+        request.add_unredirected_header("Authorization", "Basic " + base64.b64encode(login.encode()).decode())
+    with urllib.request.urlopen(request, timeout=timeout) as response:
         return response.read()
 
 
-def _gpt2_ranks_from_pip() -> bytes:
+def _hide_password(url: str) -> str:
+    return re.sub(r"//[^/@]*@", "//***@", url)  # an index URL may carry user:token@; keep it out of logs
+
+
+def pip_index_urls() -> list[str]:
+    """The package indexes pip is configured with (its config files and PIP_* variables), index-url
+    first. `pip config list` prints them as e.g. global.extra-index-url='https://a/simple https://b/simple'
+    or :env:.index-url='https://c/simple'."""
+    try:
+        listing = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True,
+                                 text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        listing = ""  # no pip: use the default index
+    main, extra = [], []
+    for line in listing.splitlines():
+        key, _, value = line.partition("=")
+        key = key.strip().replace("_", "-")
+        try:
+            value = ast.literal_eval(value)  # pip prints repr(value): quoted, with escapes
+        except (ValueError, SyntaxError):
+            pass
+        if key.endswith("extra-index-url"):
+            extra += str(value).split()  # several URLs: separated by spaces or newlines
+        elif key.endswith("index-url"):
+            main += str(value).split()
+    return list(dict.fromkeys((main or [PYPI_SIMPLE]) + extra))  # in order, each once
+
+
+def index_links(index: str, project: str) -> dict[str, str]:
+    """{file name: URL} from a project's page on a PEP 503 "simple" index: <index>/<project>/ is an
+    HTML page with one <a href="URL#sha256=...">file name</a> per file."""
+    page = index.rstrip("/") + f"/{project}/"
+    if page.startswith("file:") and Path(urllib.request.url2pathname(urllib.parse.urlsplit(page).path)).is_dir():
+        page += "index.html"  # a local index is a tree of folders, as pip reads it
+    text = _download(page, timeout=30).decode("utf-8", errors="replace")
+    anchors = re.findall(r"<a\s(?:[^>]*\s)?href=[\"']([^\"']*)[\"'][^>]*>([^<]*)</a>", text, flags=re.I)
+    return {html.unescape(name).strip(): urllib.parse.urljoin(page, html.unescape(href)) for href, name in anchors}
+
+
+def _gpt2_ranks_from_sdist(index: str) -> bytes:
+    """Download the whisper sdist from one index (checking the sha256 the index gives) and take out the ranks."""
+    links = index_links(index, GPT2_PROJECT)
+    name = next((n for n in GPT2_SDISTS if n in links), None)
+    if name is None:
+        raise RuntimeError(f"its {GPT2_PROJECT} page has no {GPT2_SDISTS[0]}")
+    url, fragment = urllib.parse.urldefrag(links[name])
+    sdist = _download(url, timeout=60)  # ~0.8 MB, through whatever slow proxy the cluster has
+    if fragment.startswith("sha256=") and _sha256(sdist) != fragment.removeprefix("sha256="):
+        raise RuntimeError(f"{name} does not match the sha256 its index gives")
+    with tarfile.open(fileobj=io.BytesIO(sdist), mode="r:gz") as tar:
+        member = next((m for m in tar.getmembers() if m.name.endswith("/" + GPT2_SDIST_MEMBER)), None)
+        if member is None:
+            raise RuntimeError(f"{name} has no {GPT2_SDIST_MEMBER}")
+        return tar.extractfile(member).read()
+
+
+def _gpt2_ranks_from_index() -> bytes:
     """Many clusters reach only a package index: the whisper sdist there carries the same file."""
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--quiet",
-               "--disable-pip-version-check", "--dest", tmp, GPT2_SDIST]
-        run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        if run.returncode != 0:
-            raise RuntimeError((run.stderr.strip().splitlines() or ["pip failed"])[-1])
-        with tarfile.open(next(Path(tmp).glob("*.tar.gz"))) as tar:
-            member = next(m for m in tar.getmembers() if m.name.endswith("/" + GPT2_SDIST_MEMBER))
-            return tar.extractfile(member).read()
+    failures = []
+    for index in pip_index_urls():  # the first index that has it wins; the final sha256 check is the judge
+        try:
+            return _gpt2_ranks_from_sdist(index)
+        except urllib.error.HTTPError as e:  # name the URL (in .filename): the project's page or its file
+            failures.append(f"{_hide_password(e.filename)}: {e}")
+        except Exception as e:
+            failures.append(f"{_hide_password(index)}: {getattr(e, 'reason', e)}")  # reason: no "<urlopen error>"
+    raise RuntimeError(", ".join(failures))
 
 
 def gpt2_ranks(cache_dir: str | Path) -> bytes:
-    """The GPT-2 BPE ranks, sha256-checked: from <cache_dir>/gpt2.tiktoken, else the URL, else pip."""
-    path = Path(cache_dir) / "gpt2.tiktoken"
+    """The GPT-2 BPE ranks, sha256-checked: from <cache_dir>/gpt2.tiktoken, else the URL, else the index."""
+    path = Path(cache_dir) / GPT2_FILE
     if path.exists():
         data = path.read_bytes()
         if _sha256(data) == GPT2_SHA256:
@@ -181,7 +263,8 @@ def gpt2_ranks(cache_dir: str | Path) -> bytes:
         print(f"data: {path} has the wrong sha256; fetching it again", file=sys.stderr)
     failures = []
     for route, fetch in ((f"downloading {GPT2_URL}", lambda: _download(GPT2_URL)),
-                         (f"pip download {GPT2_SDIST} (it ships {GPT2_SDIST_MEMBER})", _gpt2_ranks_from_pip)):
+                         (f"the package index ({GPT2_SDISTS[0]} ships {GPT2_SDIST_MEMBER})",
+                          _gpt2_ranks_from_index)):
         print(f"data: fetching the GPT-2 tokenizer: {route}", file=sys.stderr)
         try:
             data = fetch()
@@ -283,6 +366,7 @@ class DataConfig:
     tokenizer: str = "gpt2"
     cache_dir: str = str(DEFAULT_CACHE_DIR)
     val_fraction: float = 0.01
+    min_val_tokens: int = 4 * 64 * 1024 + 1  # four evaluation batches of 64 x 1024, the GPU default
     seed: int = 1234
     dedup: bool = True
     near_dup_threshold: float = 0.8
@@ -295,7 +379,10 @@ FLAGS = {  # DataConfig field: (command-line flag, what it means)
     "source": ("--data", SOURCE_HELP),
     "tokenizer": ("--tokenizer", "gpt2 (GPT-2 BPE through tiktoken) or byte (one token per byte)"),
     "cache_dir": ("--cache-dir", "where the tokenizer file and the prepared shards live"),
-    "val_fraction": ("--val-fraction", "fraction of the documents held out for validation"),
+    "val_fraction": ("--val-fraction", "hold out at least this fraction of the tokens for validation "
+                     "(whole documents)"),
+    "min_val_tokens": ("--min-val-tokens", "hold out documents for validation until they have this many "
+                       "tokens, up to a tenth of all tokens (the default is four batches of 64 x 1024)"),
     "seed": ("--seed", "seed of the train/val split"),
     "dedup": ("--dedup", "remove exact and near duplicates"),
     "near_dup_threshold": ("--near-dup-threshold", "drop a document whose MinHash-estimated Jaccard "
@@ -308,6 +395,7 @@ FLAGS = {  # DataConfig field: (command-line flag, what it means)
 }
 FILTERS = ("not_utf8", "binary", "too_short", "repeated_lines", "exact_dup", "near_dup")
 CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")  # control characters other than \t \n \r
+MAX_VAL_SHARE = 0.1  # --min-val-tokens takes at most this share of a small corpus
 SHINGLE, NUM_PERM, BANDS = 5, 128, 16  # 5-word shingles; 128 hash functions = 16 bands x 8 rows
 
 
@@ -405,51 +493,98 @@ def clean(docs: list[str], cfg: DataConfig, stats: dict, verbose: bool = False) 
     return kept
 
 
-def split_documents(n: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
-    """Train and val document indices, each sorted. Split by document, not by token, so no document
-    straddles the two; at least one val document whenever there are two documents."""
-    order = np.random.default_rng(seed).permutation(n)
-    n_val = 0 if val_fraction <= 0 or n < 2 else min(n - 1, max(1, round(val_fraction * n)))
-    return sorted(order[n_val:].tolist()), sorted(order[:n_val].tolist())
+def split_documents(sizes: list[int], val_fraction: float, min_val_tokens: int,
+                    seed: int) -> tuple[list[int], list[int]]:
+    """Train and val document indices, each sorted, given each document's size in tokens.
+
+    Split by document, not by token, so no document straddles the two. Documents join val in a seeded
+    order until it holds min_val_tokens, but never past MAX_VAL_SHARE of all tokens (a document that
+    would overshoot it is passed over), and never fewer tokens than val_fraction of them. At least
+    one document goes to val when there are two, and never all."""
+    total = sum(sizes)
+    floor = val_fraction * total  # val holds at least this...
+    cap = max(floor, MAX_VAL_SHARE * total)  # ...and, where whole documents allow, at most this
+    want = max(floor, min(min_val_tokens, cap))
+    val, got = [], 0
+    for i in np.random.default_rng(seed).permutation(len(sizes)).tolist():
+        if got >= want or len(val) == len(sizes) - 1:
+            break
+        if not val or got < floor or got + sizes[i] <= cap:  # below the floor, any document will do
+            val.append(i)
+            got += sizes[i]
+    return sorted(set(range(len(sizes))) - set(val)), sorted(val)
 
 
 # ---------------------------------------------------------------------------------------------- shards
 
-MAGIC, SHARD_VERSION = b"NSTOKENS", 1
-HEADER = struct.Struct("<8sIIQ")  # magic, version, bytes per token, token count: 24 bytes
+MAGIC, SHARD_VERSION = b"NSTOKENS", 2  # version 1 had no checksum
+HEADER = struct.Struct("<8sIIQ32s")  # magic, version, bytes per token, token count, sha256 of the tokens: 56 bytes
+CHECK_TOKENS = 1 << 20  # tokens hashed and range-checked at a time: a chunk stays in the CPU cache for both
 
 
 def write_tokens(path: str | Path, tokens: np.ndarray) -> None:
+    body = np.ascontiguousarray(tokens)
     with open(path, "wb") as f:
-        f.write(HEADER.pack(MAGIC, SHARD_VERSION, tokens.dtype.itemsize, len(tokens)))
-        f.write(np.ascontiguousarray(tokens).tobytes())
+        f.write(HEADER.pack(MAGIC, SHARD_VERSION, body.itemsize, len(body), hashlib.sha256(body).digest()))
+        f.write(body)  # its raw bytes, no copy
         f.flush()
         os.fsync(f.fileno())
 
 
-def load_tokens(path: str | Path) -> np.ndarray:
-    """The tokens of one shard as a read-only memmap, after checking its header against the file."""
+def _read_header(path: Path, redo: str) -> tuple[int, int, bytes]:
+    """(bytes per token, token count, sha256) from a shard's header, after checking it against the file."""
+    with open(path, "rb") as f:
+        head = f.read(HEADER.size)
+    if len(head) < 16 or head[:8] != MAGIC:
+        raise DataError(f"{path}: not a token shard (bad magic); {redo}")
+    version = int.from_bytes(head[8:12], "little")
+    if version != SHARD_VERSION:
+        why = " (from before shards carried a checksum)" if version == 1 else ""
+        raise DataError(f"{path}: shard version {version}{why}, but this code reads version {SHARD_VERSION}; {redo}")
+    if len(head) < HEADER.size:
+        raise DataError(f"{path}: truncated in its header ({len(head)} of {HEADER.size} bytes); {redo}")
+    _, _, itemsize, count, digest = HEADER.unpack(head)
+    if itemsize not in (2, 4):
+        raise DataError(f"{path}: {itemsize}-byte tokens, but shards hold 2- or 4-byte tokens; {redo}")
+    size, expected = path.stat().st_size, HEADER.size + count * itemsize
+    if size != expected:
+        what = "truncated" if size < expected else "longer than its header says"
+        raise DataError(f"{path}: {what} ({size} bytes, {expected} expected for {count} tokens); {redo}")
+    return itemsize, count, digest
+
+
+def _check_tokens(path: Path, tokens: np.ndarray, digest: bytes, vocab_size: int | None, redo: str) -> None:
+    """One pass over the tokens: their sha256 against the header, and each one < vocab_size."""
+    sha, first_bad = hashlib.sha256(), None
+    for start in range(0, len(tokens), CHECK_TOKENS):
+        chunk = tokens[start:start + CHECK_TOKENS]  # a view of the memmap: read from disk, never copied
+        sha.update(chunk)
+        if vocab_size is not None and first_bad is None and chunk.max() >= vocab_size:  # max is fast...
+            first_bad = start + int(np.argmax(chunk >= vocab_size))  # ...and locating is needed only once
+    if sha.digest() != digest:
+        raise DataError(f"{path}: its tokens do not match its sha256 (corrupted); {redo}")
+    if first_bad is not None:
+        raise DataError(f"{path}: token {tokens[first_bad]} at position {first_bad} is outside this tokenizer's "
+                        f"{vocab_size}-token vocabulary (prepared with another tokenizer?); {redo}")
+
+
+def load_tokens(path: str | Path, vocab_size: int | None = None) -> np.ndarray:
+    """The tokens of one shard as a read-only memmap, checked first: the header against the file size,
+    the sha256 of all tokens (a flipped token is otherwise a silently wrong run), and, given the
+    tokenizer's vocab_size, that every token is an id the model has (otherwise an IndexError deep in it)."""
     path = Path(path)
     damaged = path.parent if (path.parent / "meta.json").exists() else path  # a prepared dir, or a lone file
     redo = f"delete {damaged} and prepare the data again (python data.py --help)"
     if not path.is_file():
         raise DataError(f"{path}: token shard not found; {redo}")
-    with open(path, "rb") as f:
-        head = f.read(HEADER.size)
-    if len(head) < HEADER.size or head[:8] != MAGIC:
-        raise DataError(f"{path}: not a token shard (bad magic); {redo}")
-    _, version, itemsize, count = HEADER.unpack(head)
-    if version != SHARD_VERSION or itemsize not in (2, 4):
-        raise DataError(f"{path}: shard version {version} with {itemsize}-byte tokens, but this code reads "
-                        f"version {SHARD_VERSION} with 2- or 4-byte tokens; {redo}")
-    size, expected = path.stat().st_size, HEADER.size + count * itemsize
-    if size != expected:
-        what = "truncated" if size < expected else "longer than its header says"
-        raise DataError(f"{path}: {what} ({size} bytes, {expected} expected for {count} tokens); {redo}")
+    itemsize, count, digest = _read_header(path, redo)
     dtype = np.uint16 if itemsize == 2 else np.uint32
     if count == 0:
-        return np.zeros(0, dtype=dtype)  # mmap cannot map zero bytes
-    return np.memmap(path, dtype=dtype, mode="r", offset=HEADER.size, shape=(count,))
+        tokens = np.zeros(0, dtype=dtype)  # mmap cannot map zero bytes
+    else:
+        tokens = np.memmap(path, dtype=dtype, mode="r", offset=HEADER.size, shape=(count,))
+    _check_tokens(path, tokens, digest, vocab_size, redo)
+    return tokens
 
 
 def cache_key(cfg: DataConfig, files: list[Path], tok: Tokenizer) -> str:
@@ -487,8 +622,9 @@ def publish(tmp: Path, out: Path) -> None:
 
 def prepare(cfg: DataConfig, verbose: bool = True, force: bool = False) -> Path:
     """Read, clean, tokenize, split and write a source once; later calls return the cached directory."""
-    if not 0 <= cfg.val_fraction < 1:
-        raise DataError(f"val fraction {cfg.val_fraction} must be in [0, 1)")
+    if not 0 <= cfg.val_fraction < 1 or cfg.min_val_tokens < 0:
+        raise DataError(f"--val-fraction {cfg.val_fraction} must be in [0, 1) and --min-val-tokens "
+                        f"{cfg.min_val_tokens} at least 0")
     say = print if verbose else lambda *a, **k: None
     tok = get_tokenizer(cfg.tokenizer, cfg.cache_dir)
     files = find_files(cfg.source, cfg.cache_dir)
@@ -522,7 +658,8 @@ def prepare(cfg: DataConfig, verbose: bool = True, force: bool = False) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
     tmp.chmod(0o755)  # mkdtemp makes it private; shards are no secret
-    train, val = split_documents(len(docs), cfg.val_fraction, cfg.seed)
+    sizes = [len(t) + 1 for t in token_lists]  # + the <|endoftext|> before each
+    train, val = split_documents(sizes, cfg.val_fraction, cfg.min_val_tokens, cfg.seed)
     for split, idx in (("train", train), ("val", val)):
         tokens = join_documents([token_lists[i] for i in idx], tok.eot, dtype)
         write_tokens(tmp / f"{split}.bin", tokens)
@@ -553,7 +690,8 @@ def report(meta: dict) -> str:
         *[f"removed    {n:6d}  {why[k]}" for k, n in s["removed"].items()],
         f"NFC        {s['nfc_changed']:6d}  documents changed by Unicode normalization",
         f"kept       {s['kept']:6d}  documents: {s['train_docs']} train, {s['val_docs']} val",
-        f"tokens     {s['train_tokens']:,} train, {s['val_tokens']:,} val",
+        f"tokens     {s['train_tokens']:,} train, {s['val_tokens']:,} val "
+        f"({s['val_tokens'] / max(tokens, 1):.1%} of all)",
         f"time       {sec['total']:.1f} s = read {sec['read']:.1f} + clean {sec['clean']:.1f} + tokenize "
         f"{sec['tokenize']:.1f} + write {sec['write']:.1f}",
         f"speed      {s['bytes'] / 1e6 / sec['total']:.1f} MB/s overall; tokenizing "
@@ -571,9 +709,12 @@ def _check_batch(seq_len: int, global_batch: int, rank: int, world: int) -> None
 
 
 def _too_small(split: str, n_tokens: int, seq_len: int, global_batch: int) -> str:
+    if n_tokens == 0 and split == "validation":  # prepare held out no document: there was only one
+        return ("the validation split is empty: the corpus is a single document after cleaning (or "
+                "--val-fraction and --min-val-tokens are 0), so none is left to hold out: give more text or more files")
     return (f"the {split} split has {n_tokens:,} tokens, but one batch of {global_batch} sequences x seq_len "
-            f"{seq_len} needs at least {global_batch * seq_len + 1:,}: use more data (for val: a larger val "
-            f"fraction), or a smaller batch size or seq_len")
+            f"{seq_len} needs at least {global_batch * seq_len + 1:,}: use a smaller --batch-size or --seq-len, "
+            f"or more data")
 
 
 def _windows(tokens: np.ndarray, idx: np.ndarray, seq_len: int) -> torch.Tensor:
@@ -637,6 +778,15 @@ def eval_batches(tokens: np.ndarray, seq_len: int, global_batch: int, n_batches:
 
 # ---------------------------------------------------------------------------------------------- CLI
 
+def fetch_tokenizer(cache_dir: str) -> None:
+    """Setup step (it may use the network; tests may not): put the GPT-2 ranks where training reads them."""
+    try:
+        gpt2_ranks(cache_dir)
+    except DataError as e:
+        sys.exit(f"data: error: {e}")
+    print(f"data: the GPT-2 tokenizer is at {Path(cache_dir) / GPT2_FILE} (sha256 {GPT2_SHA256[:16]}... checked)")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="Prepare a corpus (clean, deduplicate, tokenize, split) into "
                                 "cached token shards, and report what was kept.",
@@ -647,8 +797,12 @@ def main(argv: list[str] | None = None) -> None:
         kind = dict(action=argparse.BooleanOptionalAction) if is_bool else dict(type=type(f.default))
         p.add_argument(flag, dest=f.name, default=f.default, help=meaning, **kind)
     p.add_argument("--force", action="store_true", help="prepare again even if cached")
+    p.add_argument("--fetch-tokenizer", action="store_true", help="only make sure the GPT-2 tokenizer file is in "
+                   "--cache-dir (fetched once, from OpenAI or the package index, sha256-checked), then exit")
     args = vars(p.parse_args(argv))
-    force = args.pop("force")
+    force, fetch = args.pop("force"), args.pop("fetch_tokenizer")
+    if fetch:
+        return fetch_tokenizer(args["cache_dir"])
     try:
         out = prepare(DataConfig(**args), verbose=True, force=force)
     except DataError as e:

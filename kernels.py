@@ -8,6 +8,9 @@
     triton  our FlashAttention-2 kernel below (forward and backward). `auto` picks it on CUDA GPUs from
             the A100 on (sm_80+), in fp16/bf16 with head_dim 16, 32, 64 or 128; SDPA otherwise.
 
+    resolve_backend(device, dtype, head_dim)   what `auto` means there: "triton" or "sdpa"
+    triton_problem(device, dtype, head_dim)    None if the kernel runs there, else one line: why not, what to do
+
 Causality is "bottom-right aligned": with Tq queries and Tk keys, query i sits at position
 Tk - Tq + i and sees keys 0..Tk - Tq + i. For training Tq == Tk and this is the usual lower
 triangle; when sampling with a KV cache, one new query (Tq = 1) sees every cached key.
@@ -37,8 +40,14 @@ rebuilds any probability as p = 2^(s - lse) instead of storing P. The backward, 
 (times 1/sqrt(d) for dQ and dK). One kernel per key block sums dK, dV over the query blocks, one per
 query block sums dQ over the key blocks: every output has a single writer, so no atomics, and the
 gradients are bitwise deterministic. Lesson 05 derives all of this step by step.
+
+The kernels reach PyTorch as two torch.library custom ops, nanoscale::flash_attn_fwd (q, k, v -> o, lse)
+and nanoscale::flash_attn_bwd (q, k, v, o, lse, dO -> dQ, dK, dV), joined by register_autograd. To
+torch.compile each is one opaque node whose output shapes, dtypes and strides come from a "fake"
+implementation, so a compiled model calls our kernel as it is, without tracing into the launch.
 """
 
+import contextlib
 import math
 from typing import NamedTuple
 
@@ -306,15 +315,19 @@ def _grid(T: int, block: int, BH: int) -> tuple[int, int]:
 def _empty_bhtd(like: torch.Tensor) -> torch.Tensor:
     """(B, H, T, D) laid out as (B, T, H, D): the model's y.transpose(1, 2).reshape is then free."""
     B, H, T, D = like.shape
-    return torch.empty(B, T, H, D, dtype=like.dtype, device=like.device).transpose(1, 2)
+    return like.new_empty(B, T, H, D).transpose(1, 2)
+
+
+def _empty_lse(like: torch.Tensor) -> torch.Tensor:
+    B, H, T, _ = like.shape
+    return like.new_empty(B, H, T, dtype=torch.float32)  # contiguous: the kernels index it as bh * T + t
 
 
 def flash_forward(q, k, v, cfg: Launch):
     """Returns o (B, H, T, D) and the base-2 log-sum-exp of every score row, (B, H, T) fp32."""
     B, H, T, D = q.shape
     assert cfg.block_m % cfg.block_n == 0, "stage 1 must end on a key-block boundary"
-    o = _empty_bhtd(q)
-    lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
+    o, lse = _empty_bhtd(q), _empty_lse(q)
     grid = _grid(T, cfg.block_m, B * H)
     _attn_fwd[grid](q, k, v, o, lse, *_bht(q), *_bht(k), *_bht(v), *_bht(o), H, T, 1 / math.sqrt(D),
                     HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
@@ -339,52 +352,134 @@ def flash_backward(q, k, v, o, lse, do, cfg: Launch):
     return dq, dk, dv
 
 
-class FlashAttention(torch.autograd.Function):
-    """Causal attention with the Triton kernels. Saves q, k, v, o and the lse (O(T) memory, not O(T^2))."""
-
-    @staticmethod
-    def forward(ctx, q, k, v):
-        q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
-        cfg = launch_config(q.size(-1), q.dtype)
-        o, lse = flash_forward(q, k, v, cfg)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.cfg = cfg
-        return o
-
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
-        return flash_backward(q, k, v, o, lse, _unit_last(do), ctx.cfg)
+# ----------------------------------------------------------------------------- can the kernel run here?
 
 
-def triton_supports(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Whether the kernel takes these inputs: Tq == Tk, a head dim of the table, a dtype it computes right."""
-    return (triton is not None and q.size(-2) == k.size(-2) and q.size(-1) in HEAD_DIMS
-            and q.dtype in triton_dtypes())
+def _gpu(device: torch.device) -> tuple[str, int, int]:
+    """Name and compute capability of a CUDA device. (torch.compile treats get_device_properties as a
+    constant, so even compiled code may ask.)"""
+    props = torch.cuda.get_device_properties(device)
+    return props.name, props.major, props.minor
+
+
+def triton_problem(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """None when our kernel can run attention with these inputs; otherwise one line: why not, and what to do."""
+    device = torch.device(device)
+    if triton is None:
+        return "the triton package is not installed: pip install triton; or use --attn sdpa"
+    if device.type == "cpu" and not INTERPRETED:
+        return "runs on a CPU only in the Triton interpreter: start Python with TRITON_INTERPRET=1; use --attn sdpa"
+    if device.type not in ("cpu", "cuda"):
+        return f"runs on NVIDIA GPUs (or a CPU in the Triton interpreter), not on {device.type}; use --attn sdpa"
+    if device.type == "cuda" and not INTERPRETED:  # the interpreter runs anything, slowly
+        name, major, minor = _gpu(device)
+        if torch.version.hip:
+            return f"{name}: the launch configurations are checked for NVIDIA GPUs only; use --attn sdpa"
+        if (major, minor) < (8, 0):  # the shipped table is compiled and checked for sm_80 and sm_90
+            return f"{name} (sm_{major}{minor}) is older than the kernel's sm_80 minimum; use --attn sdpa"
+    if dtype not in triton_dtypes():
+        dtype_name = str(dtype).removeprefix("torch.")
+        if INTERPRETED:
+            return (f"the Triton interpreter computes fp32 and fp16, not {dtype_name} (its bf16 tl.dot is "
+                    "wrong); use --precision fp32, or --attn sdpa")
+        return f"the kernel computes in fp16 or bf16, not {dtype_name}; use --precision bf16 or fp16, or --attn sdpa"
+    if head_dim not in HEAD_DIMS:
+        return (f"head_dim {head_dim} is not one the kernel supports ({', '.join(map(str, HEAD_DIMS))}); "
+                "choose n_embd / n_head among them, or use --attn sdpa")
+    return None
+
+
+def resolve_backend(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+    """What `auto` means for these inputs: our kernel on a CUDA GPU that can run it, SDPA everywhere else
+    (never the interpreter: it is for checking the kernel, far too slow to choose by default). Call it once,
+    up front, and pass the answer to compiled code."""
+    on_gpu = torch.device(device).type == "cuda" and not INTERPRETED
+    return "triton" if on_gpu and triton_problem(device, dtype, head_dim) is None else "sdpa"
+
+
+# ----------------------------------------------------------------------------- the custom op
+#
+# torch.compile must not look inside flash_attn_fwd: it would try to trace and re-compile our Triton launch
+# itself. A torch.library custom op is one opaque node in the graph. The compiler needs only two things
+# from it: what it returns (shapes, dtypes, strides), which the *fake* implementation computes from the
+# inputs' metadata without touching data, and how to differentiate it, which register_autograd gives as
+# a second op. The real implementations run, eagerly, whenever the compiled code reaches them.
+
+
+def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if q.dim() != 4 or k.shape != q.shape or v.shape != q.shape:
+        raise ValueError(f"flash attention takes q, k, v of one shape (B, H, T, D), got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+
+
+def _on_device(x: torch.Tensor):
+    """Triton launches on the current CUDA device, which need not be the tensors' one."""
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+
+
+@torch.library.custom_op("nanoscale::flash_attn_fwd", mutates_args=())
+def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention. q, k, v (B, H, T, D) -> o (B, H, T, D), laid out (B, T, H, D), and lse (B, H, T) fp32."""
+    _check_shapes(q, k, v)
+    if problem := triton_problem(q.device, q.dtype, q.size(-1)):
+        raise RuntimeError(f"attention backend 'triton': {problem}")
+    q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+    with _on_device(q):
+        return flash_forward(q, k, v, launch_config(q.size(-1), q.dtype))
+
+
+@flash_attn_fwd.register_fake
+def _flash_attn_fwd_fake(q, k, v):
+    _check_shapes(q, k, v)
+    return _empty_bhtd(q), _empty_lse(q)  # the very allocations flash_forward makes: same strides
+
+
+@torch.library.custom_op("nanoscale::flash_attn_bwd", mutates_args=())
+def flash_attn_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+                   do: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients dq, dk, dv (B, H, T, D), laid out (B, T, H, D), of flash_attn_fwd's o, given do."""
+    q, k, v, o, do = (_unit_last(x) for x in (q, k, v, o, do))
+    with _on_device(q):
+        return flash_backward(q, k, v, o, lse.contiguous(), do, launch_config(q.size(-1), q.dtype))
+
+
+@flash_attn_bwd.register_fake
+def _flash_attn_bwd_fake(q, k, v, o, lse, do):
+    return _empty_bhtd(q), _empty_bhtd(q), _empty_bhtd(q)
+
+
+def _setup_context(ctx, inputs, output):
+    """Runs after the forward: keep what the backward needs, O(T) memory, not O(T^2)."""
+    q, k, v = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.mark_non_differentiable(lse)  # an output for the backward, not for a loss
+
+
+def _backward(ctx, do, _dlse):
+    q, k, v, o, lse = ctx.saved_tensors
+    return flash_attn_bwd(q, k, v, o, lse, do)
+
+
+flash_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------- choosing a backend
 
 
 def attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Our kernel on CUDA, or in the Triton interpreter on a CPU (for teaching: slow, tiny sizes only)."""
     if q.size(-2) != k.size(-2):  # decoding with a KV cache: tiny work, SDPA handles the alignment
         return attention_sdpa(q, k, v)
-    if triton is None:
-        raise RuntimeError("attention backend 'triton' needs the triton package: pip install triton")
-    if not (q.is_cuda or INTERPRETED):
-        raise RuntimeError("attention backend 'triton' on a CPU runs in the Triton interpreter: start Python "
-                           "with TRITON_INTERPRET=1 in the environment (it must be set before kernels.py "
-                           "is imported)")
-    if not triton_supports(q, k):
-        raise ValueError(f"the Triton kernel {'in the interpreter ' if INTERPRETED else ''}supports head_dim "
-                         f"in {HEAD_DIMS} and dtypes {triton_dtypes()}, got head_dim={q.size(-1)}, "
-                         f"dtype={q.dtype}; use another attention backend (sdpa)")
-    return FlashAttention.apply(q, k, v)
+    o, _ = flash_attn_fwd(q, k, v)  # raises with triton_problem's answer where the kernel cannot run
+    return o
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = "auto") -> torch.Tensor:
-    """Causal attention through the chosen backend. `auto` = Triton on CUDA, SDPA elsewhere."""
-    if backend == "auto":  # the shipped configurations are checked for sm_80 and sm_90 (A100, H100)
-        modern = q.is_cuda and torch.cuda.get_device_capability(q.device) >= (8, 0)
-        backend = "triton" if modern and triton_supports(q, k) else "sdpa"
+    """Causal attention through the chosen backend. Under torch.compile, pass a backend that
+    resolve_backend has already chosen: then the choice below is plain string comparison."""
+    if backend == "auto":
+        backend = resolve_backend(q.device, q.dtype, q.size(-1))
     if backend == "math":
         return attention_math(q, k, v)
     if backend == "sdpa":

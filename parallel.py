@@ -176,8 +176,7 @@ def init_grid(tp: int, pp: int, device: torch.device, timeout_s: float = 300) ->
         raise LayoutError(f"world size {world} is not divisible by tp*pp = {tp}*{pp}; launch a multiple "
                           f"of {tp * pp} processes or change --tp/--pp")
     if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
+        device = local_gpu()
     grid = Grid(tp=tp, pp=pp, dp=world // (tp * pp), rank=rank, device=device)
     if world == 1:
         return grid
@@ -202,6 +201,22 @@ def init_grid(tp: int, pp: int, device: torch.device, timeout_s: float = 300) ->
             if rank in ranks:
                 grid.groups[name] = group
     return grid
+
+
+def local_gpu() -> torch.device:
+    """This process's GPU: one per local rank. More processes on a node than GPUs is a clear error,
+    raised by every rank alike (so none is left waiting for the others)."""
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    visible = torch.cuda.device_count()
+    if max(local_world, local_rank + 1) > visible:
+        raise LayoutError(f"{max(local_world, local_rank + 1)} processes on this node but {visible} visible GPU"
+                          f"{'s' if visible != 1 else ''}: launch at most {visible} per node (torchrun "
+                          f"--nproc-per-node {visible}), or add --device cpu to rehearse the layout on CPU "
+                          "processes (gloo)")
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    return device
 
 
 def shutdown() -> None:

@@ -26,16 +26,17 @@ it. The loss-spike guard rolls back to the last checkpoint and skips the batch t
 """
 
 import argparse
-import json
 import math
 import os
 import random
+import re
 import signal
 import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from statistics import median
 
 import numpy as np
 import torch
@@ -46,13 +47,21 @@ import data
 import kernels
 import model as gpt
 import parallel
+import rundir
 
 
-def arg(default, help: str, **kw):
-    return field(default=default, metadata={"help": help, **kw})
+def arg(default, help: str, check: tuple | None = None, **kw):
+    """A flag: its default, its help, and optionally (test, "what it must be") checked by the parser."""
+    return field(default=default, metadata={"help": help, "check": check, **kw})
 
 
+def at_least(lo, note: str = "") -> tuple:
+    return (lambda v: v >= lo, f"must be >= {lo}{note}")
+
+
+AUTO = " (0: automatic)"
 CACHE_DIR = str(data.DEFAULT_CACHE_DIR)  # (inside the class, `data` is the field)
+CRASH_AT = re.compile(r"(rank:\d+:)?(step|save):\d+")
 
 
 @dataclass
@@ -66,75 +75,104 @@ class TrainConfig:
                       + ", ".join(gpt.PRESETS))
     init_from: str = arg("", "start from Hugging Face GPT-2 weights: a local model directory (config.json "
                          "and model.safetensors or pytorch_model.bin); its config replaces --preset")
-    seq_len: int = arg(0, "tokens per sequence (0: the model's context on CUDA, 128 on CPU)")
-    dropout: float = arg(0.0, "dropout probability")
-    attn: str = arg("auto", "attention backend (auto: Triton on CUDA, SDPA elsewhere)",
-                    choices=list(kernels.BACKENDS))
+    seq_len: int = arg(0, "tokens per sequence (0: the model's context on CUDA, 128 on CPU)", at_least(0))
+    dropout: float = arg(0.0, "dropout probability", (lambda v: 0 <= v < 1, "must be in [0, 1)"))
+    attn: str = arg("auto", "attention backend (auto: our Triton kernel on CUDA where it applies, SDPA "
+                    "elsewhere)", choices=list(kernels.BACKENDS))
+    compile: bool | None = arg(None, "torch.compile each transformer block (default: on with CUDA, off on "
+                               "CPU, where compiling costs more than it saves at these sizes)")
     # optimization
-    max_steps: int = arg(0, "optimizer steps (0: 5000 on CUDA, 200 on CPU: about 5 minutes)")
-    batch_size: int = arg(0, "global batch in sequences per optimizer step (0: 64 on CUDA, 8 on CPU)")
+    max_steps: int = arg(0, "optimizer steps (0: on CUDA, two epochs of the training data, at most 5000; "
+                         "on CPU 200, about 5 minutes)", at_least(0))
+    batch_size: int = arg(0, "global batch in sequences per optimizer step (0: 64 on CUDA, 8 on CPU)", at_least(0))
     micro_batch_size: int = arg(0, "sequences per forward/backward on one rank; the rest is gradient "
-                                "accumulation (0: the whole per-rank batch)")
+                                "accumulation (0: the whole per-rank batch)", at_least(0))
     lr: float = arg(0.0, "peak learning rate (0: 6e-4 on CUDA, as GPT-2 124M trains; 2e-3 on CPU, where the "
-                    "model is small)")
-    min_lr: float = arg(-1.0, "learning rate at the end of the cosine decay (-1: --lr / 10)")
-    warmup_steps: int = arg(0, "linear warm-up steps (0: 5%% of max-steps)")
-    weight_decay: float = arg(0.1, "AdamW weight decay, on matrices and embeddings only")
-    clip: float = arg(1.0, "clip the global gradient norm to this (0: off)")
+                    "model is small)", at_least(0, AUTO))
+    min_lr: float = arg(-1.0, "learning rate at the end of the cosine decay (-1: --lr / 10)",
+                        (lambda v: v >= 0 or v == -1, "must be >= 0, or -1 for --lr / 10"))
+    warmup_steps: int = arg(0, "linear warm-up steps (0: 5%% of max-steps)", at_least(0))
+    weight_decay: float = arg(0.1, "AdamW weight decay, on matrices and embeddings only", at_least(0))
+    clip: float = arg(1.0, "clip the global gradient norm to this (0: off)", at_least(0))
     precision: str = arg("auto", "fp32, bf16 (autocast) or fp16 (autocast + loss scaling); auto: bf16 on "
                          "CUDA, fp32 on CPU", choices=["auto", "fp32", "bf16", "fp16"])
-    loss_scale: float = arg(2.0**16, "fp16: initial loss scale")
-    loss_scale_window: int = arg(1000, "fp16: grow the scale after this many steps without overflow")
-    max_bad_steps: int = arg(5, "stop after this many non-finite steps in a row")
+    loss_scale: float = arg(2.0**16, "fp16: initial loss scale", (lambda v: v > 0, "must be > 0"))
+    loss_scale_window: int = arg(1000, "fp16: grow the scale after this many steps without overflow", at_least(1))
+    max_bad_steps: int = arg(5, "stop after this many non-finite steps in a row", at_least(1))
     # evaluation and logging
-    eval_every: int = arg(0, "evaluate (and print a sample) every N steps (0: 10 times per run)")
-    eval_batches: int = arg(4, "global batches of validation data per evaluation")
-    sample_tokens: int = arg(96, "tokens to sample at each evaluation (0: none)")
+    eval_every: int = arg(0, "evaluate (and print a sample) every N steps (0: 10 times per run)", at_least(0))
+    eval_batches: int = arg(4, "global batches of validation data per evaluation (fewer if the split is "
+                            "smaller)", at_least(1))
+    sample_tokens: int = arg(96, "tokens to sample at each evaluation (0: none)", at_least(0))
     # run
-    out: str = arg("out", "run directory: metrics.jsonl, checkpoints")
-    seed: int = arg(1337, "seed for the initial weights and the data order")
-    device: str = arg("auto", "auto, cpu, cuda")
-    fresh: bool = arg(False, "ignore checkpoints in --out and start from step 0")
+    out: str = arg("out", "run directory: metrics.jsonl, checkpoints (one run at a time holds it)")
+    seed: int = arg(1337, "seed for the initial weights and the data order",
+                    (lambda v: 0 <= v < 2**32, "must be in [0, 2^32)"))
+    device: str = arg("auto", "auto (CUDA when there is a GPU), cpu, cuda")
+    fresh: bool = arg(False, "start a new run at step 0: the previous run in --out is moved to --out/previous/")
     # checkpoints and guards
-    ckpt_every: int = arg(0, "save a checkpoint every N steps (0: only at the end)")
-    keep: int = arg(2, "checkpoints to keep (older ones are deleted once a newer one is complete)")
-    async_ckpt: bool = arg(False, "write checkpoints from a background thread while training goes on")
+    ckpt_every: int = arg(0, "save a checkpoint every N steps (0: only at the end)", at_least(0))
+    keep: int = arg(2, "checkpoints to keep (older ones are deleted once a newer one is complete)", at_least(1))
+    async_ckpt: bool = arg(False, "save checkpoints in the background: training pays only for a copy")
     spike_z: float = arg(0.0, "loss-spike guard (0: off): a loss more than Z standard deviations above "
                          "the mean of the last --spike-window losses, and 20%% above it, is a spike: "
-                         "roll back to the last checkpoint and skip that batch")
-    spike_window: int = arg(20, "losses the spike guard keeps statistics over")
+                         "roll back to the last checkpoint and skip that batch", at_least(0))
+    spike_window: int = arg(20, "losses the spike guard keeps statistics over", at_least(1))
+    max_rollbacks: int = arg(3, "the spike guard gives up (an error) when it rolls back this many times in a "
+                             "row without getting past the spike", at_least(1))
     crash_at: str = arg("", "fault injection for tests: 'step:N' SIGKILLs the process after step N, "
                         "'save:N' in the middle of the save at step N, 'rank:R:step:N' only rank R (only "
-                        "in a launcher's first attempt, so a restarted job runs through)")
-    poison_step: int = arg(-1, "fault injection for tests: replace batch N (the one step N draws) with one rare token "
-                           "repeated")
+                        "in a launcher's first attempt, so a restarted job runs through)",
+                        (lambda v: v == "" or CRASH_AT.fullmatch(v), "must look like step:N, save:N or "
+                         "rank:R:step:N"))
+    poison_step: int = arg(-1, "fault injection for tests: replace batch N (the one step N + 1 draws) with one "
+                           "rare token repeated (-1: off)", at_least(-1))
     # parallelism (launch with torchrun; data-parallel degree = processes / (tp * pp))
-    tp: int = arg(1, "tensor-parallel degree (ranks that split each layer)")
-    pp: int = arg(1, "pipeline-parallel degree (stages of layers)")
+    tp: int = arg(1, "tensor-parallel degree (ranks that split each layer)", at_least(1))
+    pp: int = arg(1, "pipeline-parallel degree (stages of layers)", at_least(1))
     sp: bool = arg(False, "sequence parallelism: shard LayerNorm/dropout activations along the sequence "
                    "across the tensor-parallel ranks")
     pp_schedule: str = arg("1f1b", "pipeline schedule", choices=list(parallel.SCHEDULES))
     zero: int = arg(0, "1: ZeRO-1, shard the optimizer state across data-parallel ranks", choices=[0, 1])
-    bucket_mb: float = arg(25.0, "data-parallel gradient bucket size in MB")
+    bucket_mb: float = arg(25.0, "data-parallel gradient bucket size in MB", (lambda v: v > 0, "must be > 0"))
     no_overlap: bool = arg(False, "all-reduce gradients after the backward instead of during it")
-    timeout: float = arg(300.0, "seconds a collective may wait for a peer before the run fails")
+    timeout: float = arg(300.0, "seconds a collective (or a checkpoint commit) may wait for a peer before the "
+                         "run fails", (lambda v: v > 0, "must be > 0"))
     print_grid: bool = arg(False, "print the process grid at start-up")
     print_schedule: bool = arg(False, "print the pipeline schedule the stages ran on the first step")
     comm_report: bool = arg(False, "print the bytes every collective moved on the first step, next to "
                             "the formula they should match")
 
 
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (python train.py --help lists every flag)\n")
+
+
+def checked(kind, check: tuple | None):
+    """An argparse type that converts, then tests the value: a bad flag is refused before any work."""
+    def convert(text: str):
+        value = kind(text)
+        if check and not check[0](value):
+            raise argparse.ArgumentTypeError(f"{check[1]}, got {text}")
+        return value
+    convert.__name__ = kind.__name__  # argparse names the type in "invalid int value"
+    return convert
+
+
 def parse_args(argv=None) -> TrainConfig:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog="Every flag has a default; "
-                                "see README.md and lessons/ for what they do.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = OneLineParser(description=__doc__.split("\n")[0], epilog="Every flag has a default; "
+                      "see README.md and lessons/ for what they do.",
+                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
-        meta = dict(f.metadata)
-        if f.type is bool or f.type == "bool":
-            p.add_argument(flag, action="store_true", help=meta["help"])
+        meta = {k: v for k, v in f.metadata.items() if k != "check"}
+        if f.type in (bool, "bool"):
+            p.add_argument(flag, action="store_true", **meta)
+        elif f.type in (bool | None, "bool | None"):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, **meta)
         else:
-            p.add_argument(flag, type=type(f.default), default=f.default, **meta)
+            p.add_argument(flag, type=checked(type(f.default), f.metadata["check"]), default=f.default, **meta)
     return TrainConfig(**vars(p.parse_args(argv)))
 
 
@@ -145,34 +183,59 @@ class ConfigError(ValueError):
 # ----------------------------------------------------------------------------- defaults by device
 
 
-def resolve(cfg: TrainConfig, device: torch.device) -> TrainConfig:
-    """Fill the 'auto' / 0 defaults for this device and check the flags make sense together."""
+def resolve(cfg: TrainConfig, device: torch.device, bf16_ok: bool = True) -> TrainConfig:
+    """Fill the 'auto' / 0 defaults that need no data, and check that the flags make sense together,
+    before any slow work. (--max-steps and what depends on it wait for the data: `resolve_steps`.)"""
     cuda = device.type == "cuda"
     if cfg.init_from:
-        block = checkpoint.hf_config(Path(cfg.init_from))["block_size"]
+        arch = checkpoint.hf_config(Path(cfg.init_from))
+        block, n_head, n_embd = arch["block_size"], arch["n_head"], arch["n_embd"]
         cfg.preset = f"Hugging Face ({cfg.init_from})"
     else:
         if cfg.preset == "auto":
             cfg.preset = "gpt2" if cuda else "mini"
         if cfg.preset not in gpt.PRESETS:
             raise ConfigError(f"unknown preset {cfg.preset!r}; choose one of: {', '.join(gpt.PRESETS)}")
-        block = gpt.PRESETS[cfg.preset][3]
+        _, n_head, n_embd, block = gpt.PRESETS[cfg.preset]
     cfg.seq_len = cfg.seq_len or (block if cuda else min(block, 128))
     if cfg.seq_len > block:
         raise ConfigError(f"--seq-len {cfg.seq_len} is longer than the {cfg.preset} model's context "
                           f"({block} tokens); use --seq-len {block} or less")
-    cfg.max_steps = cfg.max_steps or (5000 if cuda else 200)
     cfg.batch_size = cfg.batch_size or (64 if cuda else 8)
     cfg.lr = cfg.lr or (6e-4 if cuda else 2e-3)
     cfg.min_lr = cfg.lr / 10 if cfg.min_lr < 0 else cfg.min_lr
+    if cfg.precision == "auto":
+        cfg.precision = "bf16" if cuda and bf16_ok else "fp32"
+    if cfg.compile is None:
+        cfg.compile = cuda
+    cfg.attn = resolve_attention(cfg, device, n_embd // n_head)
+    return cfg
+
+
+def resolve_attention(cfg: TrainConfig, device: torch.device, head_dim: int) -> str:
+    """'auto' becomes a concrete backend once, here, so that compiled code never has to decide; and
+    --attn triton where the kernel cannot run is one clear line now, not a traceback later."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision, torch.float32)
+    if cfg.attn == "auto":
+        return kernels.resolve_backend(device, dtype, head_dim)
+    if cfg.attn == "triton" and (problem := kernels.triton_problem(device, dtype, head_dim)):
+        raise ConfigError(f"--attn triton: {problem}")
+    return cfg.attn
+
+
+def resolve_steps(cfg: TrainConfig, device: torch.device, train_tokens: int, log=print) -> None:
+    """--max-steps 0: on a CPU 200 steps (minutes); on a GPU two epochs of the data, at most 5000 steps,
+    so that the default run fits the corpus instead of repeating it dozens of times."""
+    if not cfg.max_steps:
+        if device.type == "cuda":
+            per_step = cfg.batch_size * cfg.seq_len
+            cfg.max_steps = max(1, min(5000, math.ceil(2 * train_tokens / per_step)))
+            log(f"max-steps {cfg.max_steps}: two epochs of {train_tokens / 1e6:.1f}M training tokens at "
+                f"{per_step:,} tokens a step (--max-steps to choose)")
+        else:
+            cfg.max_steps = 200
     cfg.warmup_steps = cfg.warmup_steps or max(1, cfg.max_steps // 20)
     cfg.eval_every = cfg.eval_every or max(1, cfg.max_steps // 10)
-    if cfg.precision == "auto":
-        cfg.precision = "bf16" if cuda and torch.cuda.is_bf16_supported() else "fp32"
-    for name in ("max_steps", "batch_size", "seq_len", "eval_batches", "tp", "pp", "keep"):
-        if getattr(cfg, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
-    return cfg
 
 
 def pick_device(name: str) -> torch.device:
@@ -180,6 +243,8 @@ def pick_device(name: str) -> torch.device:
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError("--device cuda was asked for but no CUDA device is visible; use --device cpu")
+    if name != "cpu" and not name.startswith("cuda"):
+        raise ConfigError(f"--device {name}: choose auto, cpu or cuda")
     return torch.device(name)
 
 
@@ -295,28 +360,6 @@ def measured_matmul_flops(n: int = 1024, seconds: float = 0.3) -> float:
     return 2 * n**3 * reps / (time.perf_counter() - t0)
 
 
-class Metrics:
-    """One JSON line per optimizer step in <out>/metrics.jsonl, written by rank 0 only."""
-
-    def __init__(self, path: Path, enabled: bool, resume_step: int):
-        self.path, self.enabled = path, enabled
-        if enabled:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        self.truncate(resume_step)
-
-    def truncate(self, step: int) -> None:
-        """Drop lines from after `step`: a resumed or rolled-back run writes them again."""
-        if self.enabled and self.path.exists():
-            keep = [line for line in self.path.read_text().splitlines()
-                    if line and json.loads(line).get("step", 0) <= step]
-            self.path.write_text("".join(line + "\n" for line in keep))
-
-    def log(self, **row) -> None:
-        if self.enabled:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(row) + "\n")
-
-
 # ----------------------------------------------------------------------------- the loop
 
 
@@ -335,38 +378,47 @@ class Run:
     val: list
     autocast: object
     guard: SpikeGuard
+    saver: checkpoint.Saver
+    run_id: str
+    lock: object = None  # the open lock file on --out: held for as long as this object lives
     sync: parallel.GradSync | None = None  # data-parallel gradient averaging
     pipeline: parallel.Pipeline | None = None
     step: int = 0
     skip_batches: list = field(default_factory=list)  # global batch numbers the spike guard skips
     batches_drawn: int = 0
+    spikes: list = field(default_factory=list)  # (step, batch) of rollbacks since the run last got past one
 
 
 def setup(cfg: TrainConfig) -> Run:
-    cfg = resolve(cfg, pick_device(cfg.device))
-    grid = parallel.init_grid(cfg.tp, cfg.pp, pick_device(cfg.device), cfg.timeout)
+    device = pick_device(cfg.device)
+    cfg = resolve(cfg, device, bf16_ok=device.type != "cuda" or torch.cuda.is_bf16_supported())
+    out = Path(cfg.out)
+    rundir.check_out(out)
+    grid = parallel.init_grid(cfg.tp, cfg.pp, device, cfg.timeout)
     device = grid.device
+    per_rank = check_batch(cfg, grid)  # before the data: a wrong layout fails in a second, not minutes
+    lock, run_id = claim_out(cfg, grid)
     torch.manual_seed(cfg.seed)  # dropout's stream; the same on every rank, as tensor parallelism needs
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     prepared = grid.rank0_first(lambda: data.prepare(data.DataConfig(
         source=cfg.data, tokenizer=cfg.tokenizer, cache_dir=cfg.cache_dir), verbose=grid.is_logger))
     tok = data.get_tokenizer(cfg.tokenizer, cfg.cache_dir)
-    if cfg.batch_size % grid.dp:
-        raise ConfigError(f"--batch-size {cfg.batch_size} is not divisible by the data-parallel degree {grid.dp}")
-    per_rank = cfg.batch_size // grid.dp
-    cfg.micro_batch_size = cfg.micro_batch_size or per_rank
-    if per_rank % cfg.micro_batch_size:
-        raise ConfigError(f"--micro-batch-size {cfg.micro_batch_size} does not divide the per-rank batch "
-                          f"{per_rank} (= --batch-size {cfg.batch_size} / {grid.dp} data-parallel ranks)")
-    loader = data.Loader(data.load_tokens(prepared / "train.bin"), cfg.seq_len, cfg.batch_size, cfg.seed,
-                         rank=grid.dp_rank, world=grid.dp)
-    val = data.eval_batches(data.load_tokens(prepared / "val.bin"), cfg.seq_len, cfg.batch_size,
-                            cfg.eval_batches, rank=grid.dp_rank, world=grid.dp)
+    train_tokens = data.load_tokens(prepared / "train.bin", vocab_size=tok.vocab_size)
+    resolve_steps(cfg, device, len(train_tokens), log=grid.log)
+    loader = data.Loader(train_tokens, cfg.seq_len, cfg.batch_size, cfg.seed, rank=grid.dp_rank, world=grid.dp)
+    val = data.eval_batches(data.load_tokens(prepared / "val.bin", vocab_size=tok.vocab_size), cfg.seq_len,
+                            cfg.batch_size, cfg.eval_batches, rank=grid.dp_rank, world=grid.dp)
+    if len(val) < cfg.eval_batches:
+        grid.log(f"evaluation: {len(val)} batch{'es' if len(val) > 1 else ''} of {cfg.batch_size} sequences, all "
+                 f"the validation split holds (--eval-batches {cfg.eval_batches} asked for more)")
     model_cfg = model_config(cfg, tok)
     model = parallel.build_model(model_cfg, grid, cfg.seed, device, cfg.seq_len, cfg.sp)
     if cfg.init_from:  # before the optimizer, so ZeRO's master weights start from these values
         checkpoint.load_hf(model, Path(cfg.init_from))
+    if cfg.compile:  # block by block: the seams between blocks (pipeline sends, hooks) stay eager
+        for block in model.transformer.h.children():
+            block.compile()
     sync = None
     if grid.dp > 1 or cfg.zero:
         sync = parallel.GradSync(model, grid, cfg.bucket_mb, overlap=not cfg.no_overlap, zero=bool(cfg.zero))
@@ -379,10 +431,45 @@ def setup(cfg: TrainConfig) -> Run:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
     autocast = torch.autocast(device.type, dtype=dtype) if dtype else nullcontext()
     guard = SpikeGuard(cfg.spike_z, cfg.spike_window)
+    saver = checkpoint.Saver(out / "ckpt", keep=cfg.keep, asynchronous=cfg.async_ckpt, grid=grid, run=run_id,
+                             timeout_s=cfg.timeout)
+    n_params = sum(shape.numel() for shape in gpt.full_shapes(model_cfg).values())  # all ranks' shards
+    grid.log(f"{model_cfg.n_layer}-layer model ({cfg.preset}, {n_params / 1e6:.1f}M parameters) on {device.type}: "
+             f"{cfg.precision}, attention {cfg.attn}, compile {'on' if cfg.compile else 'off'}, "
+             f"{cfg.max_steps} steps of {cfg.batch_size} x {cfg.seq_len} tokens")
     if cfg.print_grid:
         grid.log(str(grid))
-    return Run(cfg, device, grid, tok, model_cfg, model, opt, scaler, loader, val, autocast, guard,
-               sync=sync, pipeline=pipeline)
+    return Run(cfg, device, grid, tok, model_cfg, model, opt, scaler, loader, val, autocast, guard, saver, run_id,
+               lock=lock, sync=sync, pipeline=pipeline)
+
+
+def check_batch(cfg: TrainConfig, grid: parallel.Grid) -> int:
+    """The batch must split over the data-parallel ranks, and each rank's share into micro-batches."""
+    if cfg.batch_size % grid.dp:
+        raise ConfigError(f"--batch-size {cfg.batch_size} is not divisible by the data-parallel degree {grid.dp}")
+    per_rank = cfg.batch_size // grid.dp
+    cfg.micro_batch_size = cfg.micro_batch_size or per_rank
+    if per_rank % cfg.micro_batch_size:
+        raise ConfigError(f"--micro-batch-size {cfg.micro_batch_size} does not divide the per-rank batch "
+                          f"{per_rank} (= --batch-size {cfg.batch_size} / {grid.dp} data-parallel ranks)")
+    return per_rank
+
+
+def claim_out(cfg: TrainConfig, grid: parallel.Grid) -> tuple[object, str]:
+    """Rank 0 locks --out and settles which run it holds (rundir.py); every rank learns the outcome,
+    so a refused launch stops everywhere at once instead of leaving ranks waiting."""
+    out, lock, problem = Path(cfg.out), None, ""
+    if grid.rank == 0:
+        try:
+            lock = rundir.lock(out)
+            rundir.claim(out, cfg.fresh)
+        except rundir.RunDirError as e:
+            problem = str(e)
+    failed = torch.tensor([float(bool(problem))], device=grid.device)
+    grid.all_reduce(failed, "world")
+    if failed.item():
+        raise rundir.RunDirError(problem or "rank 0 could not claim --out (its error says why)")
+    return lock, rundir.read_run_id(out)
 
 
 def model_config(cfg: TrainConfig, tok: data.Tokenizer) -> gpt.GPTConfig:
@@ -453,6 +540,7 @@ def train_step(run: Run) -> dict:
         clip_(grads, norm, cfg.clip)
         for group in run.opt.param_groups:
             group["lr"] = lr
+        run.saver.fence()  # the weights change now: a checkpoint copy still in flight must finish first
         run.opt.step()
         run.guard.record(loss.item())
     if not spike:
@@ -468,16 +556,19 @@ def train_step(run: Run) -> dict:
 
 @torch.no_grad()
 def evaluate(run: Run) -> float:
+    """The mean loss over the validation batches, in training-sized micro-batches (no new shapes
+    for a compiled model, no more memory than training)."""
     run.model.eval()
     losses = []
     for batch in run.val:
-        batch = batch.to(run.device)
+        micro = batch.to(run.device).split(run.cfg.micro_batch_size)
         if run.pipeline:
-            loss = run.pipeline.run(batch.split(run.cfg.micro_batch_size), run.autocast, sp=run.cfg.sp,
-                                    train=False)
+            loss = run.pipeline.run(micro, run.autocast, sp=run.cfg.sp, train=False)
         else:
-            with run.autocast:
-                _, loss = run.model(batch[:, :-1], batch[:, 1:])
+            loss = torch.zeros((), device=run.device)
+            for mb in micro:
+                with run.autocast:
+                    loss += run.model(mb[:, :-1], mb[:, 1:])[1].float() / len(micro)
         losses.append(run.grid.global_loss(loss.float()))
     run.model.train()
     return torch.stack(losses).mean().item()
@@ -485,18 +576,19 @@ def evaluate(run: Run) -> float:
 
 @torch.no_grad()
 def sample(run: Run, n_tokens: int) -> str:
-    """A continuation of <|endoftext|> (the start of a document), the same on every rank."""
+    """A continuation of <|endoftext|> (the start of a document), the same on every rank. Eager even
+    when the blocks are compiled: every new token is a new shape."""
     run.model.eval()
     start = torch.full((1, 1), run.tok.eot, dtype=torch.long, device=run.device)
     gen = torch.Generator(device=run.device).manual_seed(run.cfg.seed)
-    with run.autocast:
+    with run.autocast, torch.compiler.set_stance("force_eager"):
         out = parallel.generate(run.model, run.grid, start, n_tokens, temperature=0.8, top_k=50, generator=gen)
     run.model.train()
     return run.tok.decode(out[0, 1:].tolist())
 
 
-def save(run: Run, saver: checkpoint.Saver) -> None:
-    saver.save(run.step, model=run.model, opt=run.opt, grid=run.grid, extra={
+def save(run: Run) -> None:
+    run.saver.save(run.step, model=run.model, opt=run.opt, extra={
         "scaler": run.scaler.state_dict(), "loader": run.loader.state_dict(),
         "batches_drawn": run.batches_drawn, "skip_batches": run.skip_batches, "guard": run.guard.history},
         meta=checkpoint_meta(run), crash_mid_save=crash_due(run, f"save:{run.step}"))
@@ -513,35 +605,79 @@ def crash_due(run: Run, event: str) -> bool:
 
 
 def checkpoint_meta(run: Run) -> dict:
-    """What a checkpoint must agree with to be resumed: the model, the tokenizer, the batch math."""
-    return {"model": run.model_cfg.architecture(), "tokenizer": run.tok.identity(),
-            "batch_size": run.cfg.batch_size, "seq_len": run.cfg.seq_len, "seed": run.cfg.seed,
-            "data": run.cfg.data, "config": asdict(run.cfg)}
+    """What a checkpoint must agree with to be resumed: everything that fixes the math of a step
+    (checkpoint.check_compatible compares every key but "config")."""
+    cfg = run.cfg
+    return {"model": run.model_cfg.architecture(), "tokenizer": run.tok.identity(), "data": cfg.data,
+            "batch_size": cfg.batch_size, "seq_len": cfg.seq_len, "seed": cfg.seed, "precision": cfg.precision,
+            "config": asdict(cfg)}
 
 
-def restore(run: Run, path: Path) -> None:
-    extra = checkpoint.load(path, model=run.model, opt=run.opt, grid=run.grid, meta=checkpoint_meta(run))
+# Flags that may change when a run resumes, and what the change does (the others must match, or
+# make no difference to the math: logging, checkpoint cadence, fault injection).
+SCHEDULE = ("lr", "min_lr", "warmup_steps", "max_steps")
+UPDATE = ("weight_decay", "clip", "dropout", "loss_scale_window", "max_bad_steps", "spike_z", "spike_window")
+LAYOUT = ("tp", "pp", "sp", "zero", "micro_batch_size", "pp_schedule")
+KERNELS = ("attn", "compile", "device")
+
+
+def resume_changes(run: Run, saved: dict, saved_layout: dict) -> list[str]:
+    """One line per flag that differs from the checkpoint's run, with what the difference does."""
+    cfg, now, lines = run.cfg, asdict(run.cfg), []
+    old = TrainConfig(**{k: v for k, v in saved.items() if k in now})
+    for name in SCHEDULE + UPDATE + LAYOUT + KERNELS:
+        if name not in saved or saved[name] == now[name]:
+            continue
+        change = f"resume: --{name.replace('_', '-')} {saved[name]} -> {now[name]}: "
+        if name in SCHEDULE:
+            effect = (f"the learning-rate schedule changes; step {run.step + 1} trains at {lr_at(run.step, cfg):.3g} "
+                      f"instead of {lr_at(run.step, old):.3g}")
+        elif name in UPDATE:
+            effect = "the updates from here on differ from the original run's"
+        elif name in LAYOUT:
+            effect = "a layout change: the same math; random streams (dropout) start afresh"
+        else:
+            effect = "the same math up to floating-point rounding"
+        lines.append(change + effect)
+    if saved_layout != checkpoint.layout_of(run.grid):
+        lines.append(f"resume: layout {saved_layout} -> {checkpoint.layout_of(run.grid)}: the same math; random "
+                     "streams (dropout) start afresh")
+    if run.scaler.enabled and saved.get("loss_scale") != cfg.loss_scale:
+        lines.append(f"resume: --loss-scale {cfg.loss_scale:g} is not used: the checkpoint's loss scale "
+                     f"{run.scaler.scale:g} continues")
+    return lines
+
+
+def restore(run: Run, announce: bool) -> bool:
+    """Load the newest usable checkpoint of this run, if there is one; say what changed."""
+    found = checkpoint.restore(Path(run.cfg.out) / "ckpt", run.model, run.opt, run.grid, checkpoint_meta(run),
+                               run.run_id, log=run.grid.log)
+    if found is None:
+        return False
+    path, extra, manifest = found
     run.scaler.load_state_dict(extra["scaler"])
     run.loader.load_state_dict(extra["loader"])
     run.batches_drawn, run.skip_batches = extra["batches_drawn"], list(extra["skip_batches"])
     run.guard.history = list(extra["guard"])
     run.step = extra["step"]
+    if announce:
+        run.grid.log(f"resuming from {path} (step {run.step})")
+        for line in resume_changes(run, manifest["meta"].get("config", {}), manifest["layout"]):
+            run.grid.log(line)
+    return True
 
 
 def train(run: Run) -> dict:
-    """The loop: resume if --out holds a checkpoint, then step, evaluate, log and save until
-    --max-steps. Returns the last step's row of metrics."""
+    """The loop: resume if --out holds a checkpoint of this run, then step, evaluate, log and save
+    until --max-steps. Returns the last step's row of metrics."""
     cfg, grid = run.cfg, run.grid
-    out = Path(cfg.out)
-    saver = checkpoint.Saver(out / "ckpt", keep=cfg.keep, asynchronous=cfg.async_ckpt, grid=grid)
-    if not cfg.fresh and (found := checkpoint.latest(out / "ckpt", log=grid.log)):
-        restore(run, found)
-        grid.log(f"resuming from {found} (step {run.step})")
-    metrics = Metrics(out / "metrics.jsonl", grid.is_logger, run.step)
+    resumed = restore(run, announce=True)
+    metrics = rundir.Metrics(Path(cfg.out) / "metrics.jsonl", grid.is_logger, run.step, log=grid.log)
+    metrics.log(event="resume" if resumed else "start", run=run.run_id, step=run.step)
     tokens_per_step = cfg.batch_size * cfg.seq_len
     flops_per_step = gpt.flops_per_token(run.model_cfg, cfg.seq_len) * tokens_per_step
     peak = peak_flops(run.device, cfg.precision) * grid.world
-    bad_in_a_row, last = 0, {}
+    bad_in_a_row, last, step_times, saves = 0, {}, [], []
     # the bar goes to stderr; log lines (bar.write) to stdout. `with`: closed even on an error
     with tqdm(total=cfg.max_steps, initial=run.step, disable=not grid.is_logger, dynamic_ncols=True,
               mininterval=1.0) as bar:
@@ -550,10 +686,11 @@ def train(run: Run) -> dict:
                 t0 = time.perf_counter()
                 row = train_step(run)
                 if row.pop("spike"):
-                    metrics.truncate(roll_back(run, row, saver, out))
-                    metrics.log(event="spike", **row, rolled_back_to=run.step)
+                    roll_back(run, row, metrics)
                     bar.n = run.step
                     continue
+                if run.spikes and row["step"] > max(s for s, _ in run.spikes):
+                    run.spikes = []  # got past every spike: the next one starts a new count
                 bad_in_a_row = bad_in_a_row + 1 if row.pop("bad") else 0
                 if row["skipped"] and grid.is_logger:
                     bar.write(f"step {row['step']}: non-finite loss or gradient, update skipped"
@@ -562,6 +699,7 @@ def train(run: Run) -> dict:
                     raise FloatingPointError(f"{bad_in_a_row} steps in a row had a non-finite loss or "
                                              "gradient; lower --lr, or check the data")
                 dt = time.perf_counter() - t0
+                step_times = (step_times + [dt])[-20:]
                 row.update(tokens_per_sec=tokens_per_step / dt, mfu=flops_per_step / dt / peak)
                 if run.scaler.enabled:
                     row["loss_scale"] = run.scaler.scale
@@ -569,14 +707,18 @@ def train(run: Run) -> dict:
                     for text in report(run):
                         bar.write(text)
                 run.step += 1
-                after_step(run, row, bar, saver, metrics)
+                after_step(run, row, bar, metrics)
+                log_saves(run, metrics, step_times, saves)
                 last = row
         finally:
-            saver.wait()  # never exit with a save half-done
+            run.saver.wait()  # never exit with a save half-done
+    log_saves(run, metrics, step_times, saves)
+    if saves and grid.is_logger:
+        print(saves_summary(saves))
     return last
 
 
-def after_step(run: Run, row: dict, bar, saver: checkpoint.Saver, metrics: Metrics) -> None:
+def after_step(run: Run, row: dict, bar, metrics: rundir.Metrics) -> None:
     """Evaluate and sample, log, save, and obey --crash-at (in that order: a checkpoint at step N
     comes with step N's line in metrics.jsonl)."""
     cfg = run.cfg
@@ -590,10 +732,27 @@ def after_step(run: Run, row: dict, bar, saver: checkpoint.Saver, metrics: Metri
     bar.set_postfix(loss=f"{row['loss']:.3f}", lr=f"{row['lr']:.1e}", tok_s=f"{row['tokens_per_sec']:.0f}",
                     mfu=f"{row['mfu']:.1%}")
     if (cfg.ckpt_every and run.step % cfg.ckpt_every == 0) or run.step == cfg.max_steps:
-        save(run, saver)
+        save(run)
     if crash_due(run, f"step:{run.step}"):
-        saver.wait()
+        run.saver.wait()
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def log_saves(run: Run, metrics: rundir.Metrics, step_times: list[float], saves: list[dict]) -> None:
+    """A metrics event per finished checkpoint: its size, how long it took to complete, and what it
+    cost the training loop (`blocking_s`) next to a typical step (`step_s`, the median of recent ones)."""
+    for done in run.saver.pop_finished():
+        done["step_s"] = median(step_times) if step_times else float("nan")
+        metrics.log(event="checkpoint", **done)
+        saves.append(done)
+
+
+def saves_summary(saves: list[dict]) -> str:
+    """One line on what checkpoints cost: --async-ckpt exists so that this is a small share of a step."""
+    blocking, step = median([s["blocking_s"] for s in saves]), median([s["step_s"] for s in saves])
+    return (f"checkpoints: {len(saves)} saved, {median([s['bytes'] for s in saves]) / 1e6:.1f} MB each from rank 0, "
+            f"complete after {median([s['write_s'] for s in saves]):.2f} s; the training loop paid "
+            f"{1e3 * blocking:.1f} ms a save ({blocking / step:.0%} of a {1e3 * step:.0f} ms step; medians)")
 
 
 def report(run: Run) -> list[str]:
@@ -623,19 +782,27 @@ def report(run: Run) -> list[str]:
     return out if grid.is_logger else []
 
 
-def roll_back(run: Run, row: dict, saver: checkpoint.Saver, out: Path) -> int:
+def roll_back(run: Run, row: dict, metrics: rundir.Metrics) -> None:
     """A loss spike: drop the update, go back to the last complete checkpoint, and never draw the
     offending batch again (PaLM, section 5.1, does the same by hand). The steps between the
-    checkpoint and the spike are replayed exactly: same batches, same RNG."""
-    saver.wait()
+    checkpoint and the spike are replayed exactly: same batches, same RNG. A spike that keeps coming
+    back is not one bad batch: after --max-rollbacks in a row, the run stops."""
+    run.saver.wait()
+    run.spikes.append((row["step"], row["batch"]))
+    if len(run.spikes) > run.cfg.max_rollbacks:
+        metrics.log(event="spike", **row, gave_up=True)
+        steps, batches = (", ".join(str(x) for x in xs) for xs in zip(*run.spikes))
+        raise FloatingPointError(f"the spike guard rolled back {len(run.spikes) - 1} times in a row and step "
+                                 f"{row['step']} spiked again (spikes at steps {steps}, on batches {batches}): "
+                                 "the instability is not one bad batch; lower --lr, or raise --spike-z or "
+                                 "--max-rollbacks")
     skip = run.skip_batches + [row["batch"]]
-    found = checkpoint.latest(out / "ckpt", log=run.grid.log)
-    if found:
-        restore(run, found)
+    restore(run, announce=False)  # with no checkpoint yet, the run just continues without this batch
     run.skip_batches = skip
+    metrics.truncate(run.step)  # the replaced attempt's step lines go; event lines stay
+    metrics.log(event="spike", **row, rolled_back_to=run.step)
     run.grid.log(f"step {row['step']}: loss {row['loss']:.3f} is a spike; rolled back to step {run.step} "
                  f"and will skip batch {row['batch']}")
-    return run.step
 
 
 def main(argv=None) -> None:
@@ -646,7 +813,7 @@ def main(argv=None) -> None:
         if run.grid.is_logger:
             print(f"done: step {run.step}" + (f", loss {last['loss']:.4f}" if last else " (nothing left to do)")
                   + (f", val loss {last['val_loss']:.4f}" if "val_loss" in last else ""))
-    except (ConfigError, data.DataError, checkpoint.CheckpointError, parallel.LayoutError,
+    except (ConfigError, data.DataError, checkpoint.CheckpointError, parallel.LayoutError, rundir.RunDirError,
             FloatingPointError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

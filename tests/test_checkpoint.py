@@ -52,7 +52,7 @@ def test_kill_in_the_middle_of_a_save_leaves_the_previous_checkpoint(corpus, tmp
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
 def test_corrupt_latest_checkpoint_falls_back_to_the_previous(damage, corpus, tmp_path):
     run_train(corpus, tmp_path, *RUN, "--max-steps", "6", "--keep", "3")
-    victim = tmp_path / "ckpt" / "step_00000006" / "rank00000.pt"
+    victim = tmp_path / "ckpt" / "step_00000006" / "rank00000.safetensors"
     data = bytearray(victim.read_bytes())
     if damage == "flip":
         data[len(data) // 2] ^= 0x01
@@ -61,7 +61,7 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous(damage, corpus, tm
     victim.write_bytes(bytes(data))
     messages = []
     assert checkpoint.latest(tmp_path / "ckpt", log=messages.append).name == "step_00000004"
-    assert "rank00000.pt" in messages[0] and ("sha256" in messages[0] or "truncated" in messages[0])
+    assert "rank00000.safetensors" in messages[0] and ("sha256" in messages[0] or "truncated" in messages[0])
     resumed = run_train(corpus, tmp_path, *RUN, "--max-steps", "8", "--keep", "3")
     assert "checkpoint unusable" in resumed.stdout and "(step 4)" in resumed.stdout
 

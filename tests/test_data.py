@@ -1,12 +1,23 @@
 """data.py: tokenizers, cleaning, shards, the prepared-data cache and the loader's contract.
 
-Everything but the GPT-2 test uses the byte tokenizer and tiny corpora in tmp_path, so the file runs
-in seconds. The GPT-2 test takes the offline route for real (pip download of the whisper sdist).
+Everything but one test uses the byte tokenizer and tiny corpora in tmp_path, so the file runs in
+seconds, and no test touches the network: the routes that fetch the GPT-2 tokenizer run against a
+package index served on 127.0.0.1, and the one test of the real GPT-2 tokenizer reads its file from
+the default cache, where the setup command `python data.py --fetch-tokenizer` put it.
 """
 
+import base64
 import hashlib
+import io
 import json
+import os
+import struct
+import tarfile
+import threading
 import unicodedata
+from functools import partial
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -56,23 +67,148 @@ def test_byte_tokenizer_round_trip():
     assert [a.tolist() for a in tok.encode_many([s, ""])] == [ids, []]
 
 
-def test_gpt2_tokenizer_through_the_package_index(tmp_path, monkeypatch):
-    monkeypatch.setattr(data, "GPT2_URL", "http://127.0.0.1:9/r50k_base.tiktoken")  # as if offline
-    tok = data.get_tokenizer("gpt2", tmp_path)  # falls back to pip download of the whisper sdist
-    cached = tmp_path / "gpt2.tiktoken"
-    assert hashlib.sha256(cached.read_bytes()).hexdigest() == data.GPT2_SHA256
+def sha256(blob: bytes) -> str:
+    return hashlib.sha256(blob).hexdigest()
+
+
+def test_the_real_gpt2_tokenizer(monkeypatch):
+    path = data.DEFAULT_CACHE_DIR / data.GPT2_FILE
+    if not path.is_file() or sha256(path.read_bytes()) != data.GPT2_SHA256:
+        pytest.fail(f"{path} is missing or not the GPT-2 ranks: run the setup command `python data.py "
+                    f"--fetch-tokenizer` once (it may use the package index; tests never do)")
+    monkeypatch.setattr(data, "GPT2_URL", "http://127.0.0.1:9/r50k_base.tiktoken")  # so nothing here can
+    monkeypatch.setattr(data, "_gpt2_ranks_from_index", lambda: pytest.fail("fetched"))  # fetch
+    tok = data.get_tokenizer("gpt2")  # the default cache
     assert tok.encode("Hello world") == [15496, 995]
+    assert tok.encode("    return self._cache[key]") == [220, 220, 220, 1441, 2116, 13557, 23870, 58, 2539, 60]
+    assert tok.encode(" the") == [262] and tok.encode("\n\n") == [628]
     assert (tok.vocab_size, tok.eot) == (50257, 50256)
     assert tok.encode("<|endoftext|>") != [50256] and tok.decode([50256]) == "<|endoftext|>"
-    s = "    def forward(self, x):  # naïve\n        return x"
+    s = "    def forward(self, x):  # naïve ✓ 日本語\n        return x"
     assert tok.decode(tok.encode(s)) == s
-    assert [a.tolist() for a in tok.encode_many([s])] == [tok.encode(s)]
+    assert [a.tolist() for a in tok.encode_many([s, ""])] == [tok.encode(s), []]
     assert tok.identity().startswith("gpt2:sha256=306cd27f")
 
-    cached.write_bytes(b"not the ranks")  # a corrupt cache with every route down: a clear error
-    monkeypatch.setattr(data, "_gpt2_ranks_from_pip", lambda: (_ for _ in ()).throw(OSError("no index")))
-    with pytest.raises(data.DataError, match="Place r50k_base.tiktoken .* at .*gpt2.tiktoken"):
-        data.get_tokenizer("gpt2", tmp_path)
+
+# A package index on 127.0.0.1 (PEP 503: /simple/<project>/ lists links to files) with a fake whisper sdist.
+FAKE_RANKS = b"IQ== 0\nIg== 1\n"  # stands in for the GPT-2 ranks; GPT2_SHA256 is set to its hash
+SDIST = "openai_whisper-20250625.tar.gz"
+
+
+def write_fake_index(root, sdist_sha256: str | None = None) -> None:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        info = tarfile.TarInfo(f"openai_whisper-20250625/{data.GPT2_SDIST_MEMBER}")
+        info.size = len(FAKE_RANKS)
+        tar.addfile(info, io.BytesIO(FAKE_RANKS))
+    (root / "files").mkdir(parents=True, exist_ok=True)
+    (root / "files" / SDIST).write_bytes(buffer.getvalue())
+    (root / "simple" / "openai-whisper").mkdir(parents=True, exist_ok=True)
+    link = f"../../files/{SDIST}#sha256={sdist_sha256 or sha256(buffer.getvalue())}"
+    (root / "simple" / "openai-whisper" / "index.html").write_text(
+        f'<!DOCTYPE html><html><body>\n<a href="../../files/other-1.0.tar.gz">openai_whisper-1.0.tar.gz</a>\n'
+        f'<a data-requires-python="&gt;=3.8" href="{link}">{SDIST}</a>\n</body></html>\n')
+
+
+def use_only_this_index(monkeypatch, url: str) -> None:
+    """Point pip's configuration (and so data.py) at one index, and the OpenAI URL at a closed port."""
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)  # no pip.conf file is read...
+    monkeypatch.setenv("PIP_INDEX_URL", url)  # ...and this is the index
+    monkeypatch.delenv("PIP_EXTRA_INDEX_URL", raising=False)
+    monkeypatch.setenv("no_proxy", "*")  # a proxy configured for the machine must not see these requests
+    monkeypatch.setattr(data, "GPT2_URL", "http://127.0.0.1:9/r50k_base.tiktoken")  # nothing listens: offline
+    monkeypatch.setattr(data, "GPT2_SHA256", sha256(FAKE_RANKS))
+
+
+@pytest.fixture
+def index(tmp_path, monkeypatch):
+    """Serve tmp_path/www on 127.0.0.1 and make it the only package index."""
+    root, requests, logins = tmp_path / "www", [], []
+    write_fake_index(root)
+
+    class Handler(SimpleHTTPRequestHandler):
+        def do_GET(self):
+            requests.append(self.path)
+            logins.append(self.headers.get("Authorization"))
+            super().do_GET()
+
+        def log_message(self, *args):  # quiet
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), partial(Handler, directory=str(root)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    use_only_this_index(monkeypatch, f"http://127.0.0.1:{server.server_address[1]}/simple")
+    yield SimpleNamespace(root=root, requests=requests, logins=logins)
+    server.shutdown()
+    server.server_close()
+
+
+def test_gpt2_ranks_from_a_local_package_index(index, tmp_path, monkeypatch, capsys):
+    cache = tmp_path / "cache"
+    data.main(["--fetch-tokenizer", "--cache-dir", str(cache)])  # the setup command
+    assert f"the GPT-2 tokenizer is at {cache / 'gpt2.tiktoken'}" in capsys.readouterr().out
+    assert (cache / "gpt2.tiktoken").read_bytes() == FAKE_RANKS
+    assert index.requests == ["/simple/openai-whisper/", f"/files/{SDIST}"]
+
+    def no_fetch(*args, **kwargs):
+        raise AssertionError("fetched although the file is cached")
+
+    with monkeypatch.context() as m:
+        m.setattr(data, "_download", no_fetch)
+        m.setattr(data, "pip_index_urls", no_fetch)
+        assert data.gpt2_ranks(cache) == FAKE_RANKS  # from the cache, nothing fetched
+    assert len(index.requests) == 2
+    (cache / "gpt2.tiktoken").write_bytes(b"damaged")  # a wrong cached file is fetched again
+    assert data.gpt2_ranks(cache) == FAKE_RANKS and (cache / "gpt2.tiktoken").read_bytes() == FAKE_RANKS
+
+
+def test_an_index_url_may_carry_a_login(index, tmp_path, monkeypatch):
+    monkeypatch.setenv("PIP_INDEX_URL", os.environ["PIP_INDEX_URL"].replace("//", "//me:pa%40ss@"))
+    assert data.gpt2_ranks(tmp_path / "cache") == FAKE_RANKS
+    assert index.logins == ["Basic " + base64.b64encode(b"me:pa@ss").decode()] * 2  # the page and the sdist
+    monkeypatch.setenv("PIP_INDEX_URL", "http://me:pa%40ss@127.0.0.1:9/simple")  # nothing listens there
+    with pytest.raises(data.DataError, match=r"http://\*\*\*@127.0.0.1:9/simple: .*refused") as error:
+        data.gpt2_ranks(tmp_path / "other")
+    assert "pa%40ss" not in str(error.value)  # a password never reaches a log
+
+
+def test_a_local_index_can_be_a_folder(tmp_path, monkeypatch):
+    write_fake_index(tmp_path / "www")
+    use_only_this_index(monkeypatch, (tmp_path / "www" / "simple").as_uri())  # file:///...: pip reads it too
+    assert data.gpt2_ranks(tmp_path / "cache") == FAKE_RANKS
+
+
+def test_pip_index_urls_follow_pips_configuration(monkeypatch):
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("PIP_EXTRA_INDEX_URL", "http://b/simple  http://c/simple")
+    monkeypatch.delenv("PIP_INDEX_URL", raising=False)
+    assert data.pip_index_urls() == [data.PYPI_SIMPLE, "http://b/simple", "http://c/simple"]
+    monkeypatch.setenv("PIP_INDEX_URL", "http://a/simple")
+    assert data.pip_index_urls() == ["http://a/simple", "http://b/simple", "http://c/simple"]
+
+
+def test_a_wrong_tokenizer_file_is_refused(index, tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    monkeypatch.setattr(data, "GPT2_SHA256", data.GPT2_SHA256.replace("0", "1"))  # the index serves other ranks
+    with pytest.raises(data.DataError, match=r"index .*: wrong sha256 [0-9a-f]{64}\). Place r50k_base.tiktoken "
+                                             r"\(sha256 [0-9a-f]{64}\) at .*cache/gpt2.tiktoken"):
+        data.gpt2_ranks(cache)
+    monkeypatch.setattr(data, "GPT2_SHA256", sha256(FAKE_RANKS))
+    write_fake_index(index.root, sdist_sha256="0" * 64)  # the sdist is not the one the index names
+    with pytest.raises(data.DataError, match=f"{SDIST} does not match the sha256 its index gives"):
+        data.gpt2_ranks(cache)
+    assert not cache.exists()  # nothing unverified is ever cached
+
+
+def test_a_missing_package_is_a_clear_error(index, tmp_path):
+    (index.root / "simple" / "openai-whisper" / "index.html").write_text('<a href="x">openai-whisper-1.0.tar.gz</a>')
+    with pytest.raises(data.DataError, match=r"could not get the GPT-2 tokenizer \(downloading http://127.0.0.1:9"
+                                             ".*: its openai-whisper page has no openai_whisper-20250625.tar.gz"):
+        data.gpt2_ranks(tmp_path)
+    (index.root / "simple" / "openai-whisper" / "index.html").unlink()
+    (index.root / "simple" / "openai-whisper").rmdir()
+    with pytest.raises(SystemExit, match=r"data: error: .*/simple/openai-whisper/: HTTP Error 404.*Place"):
+        data.main(["--fetch-tokenizer", "--cache-dir", str(tmp_path)])
 
 
 def test_unknown_tokenizer():
@@ -131,10 +267,52 @@ def test_single_file_is_cut_into_documents_and_split_by_document(tmp_path):
     path.write_text("\n\n".join(text(rng, 60) for _ in range(300)))  # ~110 kB
     prepared = data.prepare(byte_cfg(tmp_path, path, val_fraction=0.1), verbose=False)
     stats = json.loads((prepared / "meta.json").read_text())["stats"]
-    assert stats["documents"] >= 20 and stats["val_docs"] == round(0.1 * stats["kept"])
-    train, val = data.split_documents(10, 0.01, seed=0)
-    assert len(val) == 1 and sorted(train + val) == list(range(10))  # at least one val document
-    assert data.split_documents(10, 0.3, seed=0) == data.split_documents(10, 0.3, seed=0)
+    assert stats["documents"] >= 20 and stats["val_docs"] >= 2
+    assert stats["val_tokens"] >= 0.1 * (stats["train_tokens"] + stats["val_tokens"])
+
+
+# ---------------------------------------------------------------------------------------------- the split
+
+def val_tokens(sizes: list[int], *args) -> int:
+    train, val = data.split_documents(sizes, *args)
+    assert sorted(train + val) == list(range(len(sizes))) and not set(train) & set(val)
+    return sum(sizes[i] for i in val)
+
+
+def test_the_val_split_is_sized_in_tokens():
+    sizes = np.random.default_rng(0).integers(100, 5000, 2000).tolist()  # 2,000 documents, ~5M tokens
+    total, biggest = sum(sizes), max(sizes)
+    got = val_tokens(sizes, 0.01, 262_145, 0)  # the cap (10%, ~500k) allows min_val_tokens
+    assert 262_145 <= got < 262_145 + biggest
+    got = val_tokens(sizes, 0.01, 10**9, 0)  # it does not: val stops at 10%, as close as documents allow
+    assert 0.1 * total - biggest < got <= 0.1 * total
+    got = val_tokens(sizes, 0.2, 262_145, 0)  # never less than val_fraction
+    assert 0.2 * total <= got < 0.2 * total + biggest
+    assert val_tokens(sizes, 0.0, 0, 0) == 0  # both zero: no validation at all
+    assert data.split_documents(sizes, 0.01, 10**5, 1) == data.split_documents(sizes, 0.01, 10**5, 1)
+    assert data.split_documents(sizes, 0.01, 10**5, 1) != data.split_documents(sizes, 0.01, 10**5, 2)
+
+    gpu_box = [8200] * 574  # the GPU machine's small standard library: 574 files, 4.7M tokens
+    assert val_tokens(gpu_box, 0.01, data.DataConfig.min_val_tokens, 1234) >= 4 * 64 * 1024 + 1
+    assert val_tokens([10] * 10, 0.01, 1000, 0) == 10  # a tiny corpus: 10%, one document
+    assert val_tokens([10] * 10, 0.01, 1, 0) == 10  # at least one document when there are two
+    assert val_tokens([50, 50], 0.9, 10**9, 0) == 50  # never all of them
+    assert val_tokens([100], 0.5, 10**9, 0) == 0  # one document: nothing to hold out
+    for seed in range(6):  # a document past the cap is passed over, unless it comes first: one is a must
+        big_first = np.random.default_rng(seed).permutation(3)[0] == 0
+        assert val_tokens([900, 50, 50], 0.01, 10**9, seed) == (900 if big_first else 100)
+
+
+def test_prepare_sizes_val_in_tokens(tmp_path):
+    rng = np.random.default_rng(6)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(60):  # 1,000 characters each: 1,001 tokens with the <|endoftext|> before it
+        (corpus / f"{i}.txt").write_text(text(rng, 300)[:1000])
+    for min_val, val_fraction, expected_docs in [(5000, 0.01, 5), (10**9, 0.01, 6), (5000, 0.2, 12)]:
+        cfg = byte_cfg(tmp_path, corpus, min_val_tokens=min_val, val_fraction=val_fraction)
+        stats = json.loads((data.prepare(cfg, verbose=False) / "meta.json").read_text())["stats"]
+        assert (stats["kept"], stats["val_docs"], stats["val_tokens"]) == (60, expected_docs, 1001 * expected_docs)
 
 
 # ---------------------------------------------------------------------------------------------- shards, cache
@@ -143,20 +321,50 @@ def test_shard_round_trip_and_corruption(tmp_path):
     for dtype in (np.uint16, np.uint32):
         tokens = np.arange(1000, dtype=dtype) * 7
         data.write_tokens(tmp_path / "t.bin", tokens)
-        loaded = data.load_tokens(tmp_path / "t.bin")
+        loaded = data.load_tokens(tmp_path / "t.bin", vocab_size=7000)
         assert loaded.dtype == dtype and np.array_equal(loaded, tokens)
     data.write_tokens(tmp_path / "empty.bin", np.zeros(0, np.uint16))
-    assert len(data.load_tokens(tmp_path / "empty.bin")) == 0
+    assert len(data.load_tokens(tmp_path / "empty.bin", vocab_size=257)) == 0
 
     good = (tmp_path / "t.bin").read_bytes()
+    assert len(good) == 56 + 4000 and good[24:56] == hashlib.sha256(good[56:]).digest()  # the header's sha256
+    v1 = struct.pack("<8sIIQ", b"NSTOKENS", 1, 4, 1000) + good[56:]  # a shard from before the checksum
     cases = {"bad magic": b"XXXXXXXX" + good[8:], "truncated": good[:-3], "longer than": good + b"\0\0\0\0",
-             "version 9": good[:8] + (9).to_bytes(4, "little") + good[12:], "bad magic ": b"NST"}
+             "version 9": good[:8] + (9).to_bytes(4, "little") + good[12:], "bad magic ": b"NST",
+             "truncated in its header": good[:40], "version 1 \\(from before shards carried a checksum": v1}
     for problem, content in cases.items():
         (tmp_path / "bad.bin").write_bytes(content)
         with pytest.raises(data.DataError, match=rf"bad\.bin: .*{problem.strip()}.*delete"):
             data.load_tokens(tmp_path / "bad.bin")
     with pytest.raises(data.DataError, match="not found"):
         data.load_tokens(tmp_path / "missing.bin")
+
+
+def test_a_flipped_token_is_caught_by_the_checksum(tmp_path):
+    tokens = np.random.default_rng(7).integers(0, 50257, 10_000, dtype=np.uint16)
+    data.write_tokens(tmp_path / "t.bin", tokens)
+    shard = bytearray((tmp_path / "t.bin").read_bytes())
+    position = 56 + 2 * 4321
+    shard[position:position + 2] = int((tokens[4321] + 1) % 50257).to_bytes(2, "little")  # another valid id
+    (tmp_path / "t.bin").write_bytes(shard)
+    with pytest.raises(data.DataError, match=r"t\.bin: its tokens do not match its sha256 \(corrupted\); delete"):
+        data.load_tokens(tmp_path / "t.bin", vocab_size=50257)
+
+
+def test_a_token_outside_the_vocabulary_is_a_clear_error(tmp_path, monkeypatch):
+    rng = np.random.default_rng(8)
+    (tmp_path / "corpus").mkdir()
+    for i in range(3):
+        (tmp_path / "corpus" / f"{i}.txt").write_text(text(rng, 500))
+    prepared = data.prepare(byte_cfg(tmp_path, tmp_path / "corpus"), verbose=False)
+    tokens = np.array(data.load_tokens(prepared / "train.bin", vocab_size=257))
+    tokens[1234] = 65535  # fits the uint16 shard, not the byte tokenizer's 257 ids
+    data.write_tokens(prepared / "train.bin", tokens)  # with a header sha256 that matches: only the range is wrong
+    monkeypatch.setattr(data, "CHECK_TOKENS", 1000)  # so the bad token is in the second chunk
+    with pytest.raises(data.DataError, match=rf"train\.bin: token 65535 at position 1234 is outside this "
+                                             rf"tokenizer's 257-token vocabulary .*; delete {prepared} and"):
+        data.load_tokens(prepared / "train.bin", vocab_size=257)
+    assert data.load_tokens(prepared / "train.bin")[1234] == 65535  # without a vocabulary it is not checked
 
 
 def test_prepare_is_cached_and_the_key_follows_every_input(tmp_path):
@@ -175,7 +383,7 @@ def test_prepare_is_cached_and_the_key_follows_every_input(tmp_path):
     other_tok = type("Other", (data.ByteTokenizer,), {"identity": lambda self: "byte:v2"})()
     changed = [data.cache_key(data.DataConfig(**{**vars(cfg), field: value}), files, tok)
                for field, value in [("min_chars", 10), ("val_fraction", 0.5), ("seed", 1), ("dedup", False),
-                                    ("near_dup_threshold", 0.9)]]
+                                    ("near_dup_threshold", 0.9), ("min_val_tokens", 10)]]
     changed.append(data.cache_key(cfg, files, other_tok))
     (corpus / "0.txt").write_text(text(rng, 101))  # a source file changes
     changed.append(data.cache_key(cfg, files, tok))
@@ -274,15 +482,25 @@ def test_bad_input_gives_a_clear_data_error(tmp_path, monkeypatch):
         data.prepare(byte_cfg(tmp_path, tmp_path / "latin1.txt"), verbose=False)
     with pytest.raises(data.DataError, match=r"the train split has 51 tokens.*needs at least 81"):
         data.Loader(TOKENS[:51], T, 8, seed=0)
-    with pytest.raises(data.DataError, match=r"the validation split has 0 tokens"):
-        data.eval_batches(np.zeros(0, np.uint16), T, 8, n_batches=1)
+    with pytest.raises(data.DataError, match=r"the validation split has 51 tokens.*needs at least 81: use a "
+                                             r"smaller --batch-size or --seq-len, or more data$"):
+        data.eval_batches(TOKENS[:51], T, 8, n_batches=1)
+    (tmp_path / "one").mkdir()
+    (tmp_path / "one" / "a.py").write_text("# a corpus of one document " * 4)  # too small to cut
+    prepared = data.prepare(byte_cfg(tmp_path, tmp_path / "one"), verbose=False)
+    with pytest.raises(data.DataError, match=r"the validation split is empty: the corpus is a single document "
+                                             r".*: give more text or more files$"):
+        data.eval_batches(data.load_tokens(prepared / "val.bin"), T, 8, n_batches=1)
     with pytest.raises(data.DataError, match="split evenly over 3"):
         data.Loader(TOKENS, T, 8, seed=0, rank=0, world=3)
     monkeypatch.setattr(data, "SHAKESPEARE_URL", "http://127.0.0.1:9/input.txt")  # as if offline
+    monkeypatch.setenv("no_proxy", "*")  # even where a proxy is configured
     with pytest.raises(data.DataError, match="could not download Tiny Shakespeare.*place it at"):
         data.prepare(byte_cfg(tmp_path, "shakespeare"), verbose=False)
-    with pytest.raises(data.DataError, match="val fraction"):
+    with pytest.raises(data.DataError, match=r"--val-fraction 1.0 must be in \[0, 1\)"):
         data.prepare(byte_cfg(tmp_path, tmp_path / "latin1.txt", val_fraction=1.0), verbose=False)
+    with pytest.raises(data.DataError, match="--min-val-tokens -1 at least 0"):
+        data.prepare(byte_cfg(tmp_path, tmp_path / "latin1.txt", min_val_tokens=-1), verbose=False)
 
 
 def test_cli_prepares_and_reports(tmp_path, capsys):
@@ -291,8 +509,9 @@ def test_cli_prepares_and_reports(tmp_path, capsys):
     for i in range(3):
         (tmp_path / "corpus" / f"{i}.txt").write_text(text(rng, 50))
     flags = ["--tokenizer", "byte", "--cache-dir", str(tmp_path / "c")]
-    data.main(["--data", str(tmp_path / "corpus"), *flags])
+    data.main(["--data", str(tmp_path / "corpus"), "--min-val-tokens", "100", *flags])
     out = capsys.readouterr().out
     assert "removed         0  near duplicates" in out and "kept            3" in out and "tokens/s" in out
+    assert "documents: 2 train, 1 val" in out and "% of all)" in out
     with pytest.raises(SystemExit, match="data: error: --data .*nope: no such file"):
         data.main(["--data", str(tmp_path / "nope"), *flags])

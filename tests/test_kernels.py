@@ -3,13 +3,18 @@ TRITON_INTERPRET=1), against a float64 reference computed from the same (rounded
 
 The interpreter runs each program one after another with numpy, so it proves the math, the masks
 and the indexing, not speed or races; tests/test_kernels_aot.py proves the kernels compile well for
-real GPUs. Sizes stay tiny (T <= 128): the interpreter is slow.
+real GPUs, tests/test_gpu.py runs them on one. Sizes stay tiny (T <= 128): the interpreter is slow.
+
+Also here: the custom ops pass torch.library.opcheck (their fake implementations agree with the real
+ones), torch.compile of a block that calls the kernel matches eager, and `triton_problem` says in one
+line why the kernel cannot run where it cannot.
 """
 
 import math
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -122,12 +127,108 @@ def test_dispatch():
     assert torch.equal(attention(q, k, v, "auto"), sdpa)  # auto on a CPU is SDPA
     # a KV cache (Tq != Tk) goes to SDPA even when Triton is asked for
     assert torch.equal(attention(q[:, :, -1:], k, v, "triton"), kernels.attention_sdpa(q[:, :, -1:], k, v))
-    with pytest.raises(ValueError, match="head_dim"):
+    with pytest.raises(RuntimeError, match="head_dim 12 is not one the kernel supports"):
         attention(q[..., :12], k[..., :12], v[..., :12], "triton")
-    with pytest.raises(ValueError, match="dtype"):  # the interpreter's bf16 tl.dot is wrong: refuse it
+    with pytest.raises(RuntimeError, match="bfloat16"):  # the interpreter's bf16 tl.dot is wrong: refuse it
         attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), "triton")
     with pytest.raises(ValueError, match="unknown attention backend"):
         attention(q, k, v, "flash")
+
+
+# ----------------------------------------------------------------------------- can it run here?
+
+
+def test_triton_problem_on_this_cpu():
+    """This process has the interpreter: fp32 and fp16 run, bf16 and odd head dims are refused, each with
+    one line that says what to do. `auto` never picks the interpreter."""
+    cpu = torch.device("cpu")
+    assert kernels.triton_problem(cpu, torch.float32, 64) is None
+    assert kernels.triton_problem(cpu, torch.float16, 16) is None
+    assert "use --precision fp32, or --attn sdpa" in kernels.triton_problem(cpu, torch.bfloat16, 64)
+    assert "(16, 32, 64, 128)" in kernels.triton_problem(cpu, torch.float32, 80)
+    assert kernels.resolve_backend(cpu, torch.float32, 64) == "sdpa"
+
+
+def test_triton_problem_on_a_cpu_without_the_interpreter():
+    code = ("import torch, kernels\n"
+            "print(kernels.triton_problem(torch.device('cpu'), torch.float32, 64))\n"
+            "print(kernels.resolve_backend(torch.device('cpu'), torch.float32, 64))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "runs on a CPU only in the Triton interpreter: start Python with TRITON_INTERPRET=1; use --attn sdpa",
+        "sdpa"]
+
+
+@pytest.fixture
+def on_a_gpu(monkeypatch):
+    """Answers as on a machine with a real GPU: no interpreter, and the device reports `gpu(name, capability)`."""
+    monkeypatch.setattr(kernels, "INTERPRETED", False)
+
+    def gpu(name, capability):
+        props = SimpleNamespace(name=name, major=capability[0], minor=capability[1])
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
+    return gpu
+
+
+def test_triton_problem_on_gpus(on_a_gpu):
+    cuda = torch.device("cuda")
+    on_a_gpu("Tesla T4", (7, 5))
+    assert kernels.triton_problem(cuda, torch.float16, 64) == \
+        "Tesla T4 (sm_75) is older than the kernel's sm_80 minimum; use --attn sdpa"
+    on_a_gpu("NVIDIA H100 80GB HBM3", (9, 0))
+    assert kernels.triton_problem(cuda, torch.bfloat16, 64) is None
+    assert kernels.triton_problem(cuda, torch.float32, 64) == \
+        "the kernel computes in fp16 or bf16, not float32; use --precision bf16 or fp16, or --attn sdpa"
+    assert "(16, 32, 64, 128)" in kernels.triton_problem(cuda, torch.bfloat16, 96)
+    assert kernels.resolve_backend(cuda, torch.bfloat16, 64) == "triton"
+    assert kernels.resolve_backend(cuda, torch.float32, 64) == "sdpa"
+    assert kernels.resolve_backend(cuda, torch.bfloat16, 96) == "sdpa"
+
+
+def test_triton_problem_without_triton(monkeypatch):
+    monkeypatch.setattr(kernels, "triton", None)
+    assert "pip install triton" in kernels.triton_problem(torch.device("cpu"), torch.float32, 64)
+
+
+# ----------------------------------------------------------------------------- the custom op and torch.compile
+
+
+def test_custom_ops_pass_opcheck():
+    """torch.library.opcheck runs each op for real and on fake tensors (same shapes, dtypes and strides?),
+    through autograd (registered?), and traced by AOTAutograd with dynamic shapes, forward and backward.
+    v's last dimension is not contiguous: the op copies it, and must still agree with its fake."""
+    _, (q, k, _) = qkv_view(1, 33, 2, 16, torch.float32)
+    v = torch.randn(1, 2, 16, 33).transpose(2, 3).requires_grad_()  # stride(-1) == 33
+    torch.library.opcheck(kernels.flash_attn_fwd, (q, k, v))
+    o, lse = kernels.flash_attn_fwd(q, k, v)
+    do = torch.randn(1, 33, 2, 16).transpose(1, 2)  # (B, H, T, D) view
+    torch.library.opcheck(kernels.flash_attn_bwd, [x.detach() for x in (q, k, v, o, lse, do)])
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated")  # inside Inductor, not ours
+def test_torch_compile_matches_eager():
+    """A GPT-2 block with attn="triton", compiled whole (fullgraph=True: a graph break is an error, so the
+    op is one node the compiler accepts), gives eager's output and gradients. `auto` traces too."""
+    from model import Block, GPTConfig
+
+    torch.manual_seed(0)
+    block = Block(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=64, attn="triton"))
+    x = torch.randn(2, 40, 32, requires_grad=True)
+
+    def output_and_grads(fn):
+        y = fn(x)
+        return (y, *torch.autograd.grad(y.square().sum(), [x, *block.parameters()]))
+
+    compiled = output_and_grads(torch.compile(block, fullgraph=True))
+    eager = output_and_grads(block)
+    for got, want in zip(compiled, eager, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    _, (q, k, v) = qkv_view(1, 9, 2, 16, torch.float32)
+    auto = torch.compile(lambda q, k, v: attention(q, k, v, "auto"), backend="eager", fullgraph=True)
+    assert torch.equal(auto(q, k, v), kernels.attention_sdpa(q, k, v))
 
 
 def test_model_trained_with_triton_matches_math():

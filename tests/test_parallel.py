@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from conftest import ROOT, TINY, final_weights, metrics, run_train
+from conftest import ROOT, TINY, assert_same_weights, final_weights, metrics, run_train
 
 import parallel
 
@@ -37,10 +37,7 @@ def assert_same_run(reference, out):
         assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4), f"step {got['step']} grad norm"
         if "val_loss" in ref:
             assert got["val_loss"] == pytest.approx(ref["val_loss"], rel=1e-5)
-    weights = final_weights(out)
-    assert weights.keys() == ref_weights.keys()
-    for name, w in ref_weights.items():
-        torch.testing.assert_close(weights[name], w, rtol=1e-4, atol=1e-5, msg=name)
+    assert_same_weights(final_weights(out), ref_weights)
 
 
 LAYOUTS = {

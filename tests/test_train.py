@@ -1,9 +1,11 @@
 """train.py: the command line, determinism, precision, the loss scaler, and clear errors."""
 
 import math
+import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from conftest import ROOT, metrics, run_train
@@ -95,8 +97,8 @@ def test_weight_decay_only_on_matrices():
 
 def bad_run(corpus, tmp_path, *flags, data_path=None):
     cmd = [sys.executable, str(ROOT / "train.py"), "--data", data_path or corpus["data"], "--cache-dir",
-           corpus["cache"], "--out", str(tmp_path / "out"), "--preset", "tiny", "--tokenizer", "byte",
-           "--seq-len", "32", "--batch-size", "8", "--max-steps", "2", *flags]
+           corpus["cache"], "--out", str(tmp_path / "out"), "--device", "cpu", "--preset", "tiny", "--tokenizer",
+           "byte", "--seq-len", "32", "--batch-size", "8", "--max-steps", "2", *flags]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
     assert "Traceback" not in result.stderr, result.stderr[-2000:]
@@ -141,3 +143,74 @@ def test_corrupt_shard_header(corpus, tmp_path):
         assert "error:" in line and "train.bin" in line
     finally:
         shard.write_bytes(original)
+
+
+# ----------------------------------------------------------------------------- the GPU path, from a CPU
+
+
+def test_more_processes_than_gpus_is_one_clear_line(monkeypatch):
+    import parallel
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")  # even rank 0, which has a GPU, stops: none is left waiting
+    with pytest.raises(parallel.LayoutError, match=r"2 processes on this node but 1 visible GPU: launch at most 1 "
+                                                   r"per node \(torchrun --nproc-per-node 1\), or add --device cpu"):
+        parallel.local_gpu()
+
+
+def test_device_cuda_without_a_gpu_is_one_line(corpus, tmp_path):
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # no GPU, whatever this machine has
+    result = run_train(corpus, tmp_path, "--device", "cuda", check=False, env=env)
+    assert result.returncode == 2 and "no CUDA device is visible; use --device cpu" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_attn_triton_where_it_cannot_run_is_one_line(corpus, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # a CPU without the interpreter
+    result = run_train(corpus, tmp_path, "--attn", "triton", check=False, env=env)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "--attn triton" in result.stderr and "TRITON_INTERPRET=1" in result.stderr
+
+
+def test_gpu_defaults_fit_the_corpus(tmp_path):
+    """What `python train.py` chooses on a GPU, worked out here for a ~1M-token corpus: GPT-2 on 64 x 1024
+    tokens a step, about two epochs, and a validation split that holds at least one evaluation batch."""
+    cuda = torch.device("cuda")  # only a name here: nothing runs on it
+    cfg = train.resolve(train.TrainConfig(attn="sdpa"), cuda)
+    assert (cfg.preset, cfg.seq_len, cfg.batch_size, cfg.precision, cfg.compile) == ("gpt2", 1024, 64, "bf16", True)
+    words = [f"w{i}" for i in range(5000)]
+    rng = np.random.default_rng(0)
+    for i in range(100):  # 100 documents, ~10 kB each: ~1M byte tokens
+        (tmp_path / f"doc{i}.txt").write_text(" ".join(rng.choice(words, 1700)))
+    prepared = data.prepare(data.DataConfig(source=str(tmp_path), tokenizer="byte", cache_dir=str(tmp_path / "c")),
+                            verbose=False)
+    train_tokens, val_tokens = (data.load_tokens(prepared / f"{s}.bin", vocab_size=257) for s in ("train", "val"))
+    assert 0.9e6 < len(train_tokens) + len(val_tokens) < 1.2e6
+    notes = []
+    train.resolve_steps(cfg, cuda, len(train_tokens), log=notes.append)
+    assert cfg.max_steps == math.ceil(2 * len(train_tokens) / (64 * 1024)) and "two epochs" in notes[0]
+    assert len(data.eval_batches(val_tokens, 1024, 64, 4)) >= 1  # the failure on a small stdlib: 0
+
+
+def test_a_1m_token_corpus_trains_with_no_size_flags(tmp_path):
+    rng = np.random.default_rng(1)
+    words = [f"w{i}" for i in range(3000)]
+    for i in range(100):
+        (tmp_path / f"doc{i}.txt").write_text(" ".join(rng.choice(words, 1700)))
+    cmd = [sys.executable, str(ROOT / "train.py"), "--data", str(tmp_path), "--tokenizer", "byte", "--device", "cpu",
+           "--preset", "tiny", "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "out"),
+           "--sample-tokens", "0"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = metrics(tmp_path / "out")
+    assert len(rows) == 200 and rows[-1]["val_loss"] < rows[0]["loss"]
+
+
+def test_compiled_blocks_train_like_eager(corpus, tmp_path):
+    """--compile (torch.compile of every block; off by default on a CPU) gives the same run, up to rounding."""
+    run_train(corpus, tmp_path / "eager", "--max-steps", "3")
+    run_train(corpus, tmp_path / "compiled", "--max-steps", "3", "--compile")
+    for a, b in zip(metrics(tmp_path / "eager"), metrics(tmp_path / "compiled"), strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert ("val_loss" in b) == ("val_loss" in a)
+        assert b.get("val_loss", 0.0) == pytest.approx(a.get("val_loss", 0.0), rel=1e-5)

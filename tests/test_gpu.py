@@ -1,0 +1,278 @@
+"""The CUDA path, proven on a CUDA GPU. On a machine without one the whole module is skipped; every idea
+here also has a CPU test (tests/test_kernels.py runs the same kernel in the Triton interpreter).
+
+Where the code runs. conftest.py sets TRITON_INTERPRET=1 for the whole pytest session, before kernels.py
+is imported, so in *this* process our kernel is interpreted (numpy, on the CPU). Everything that must run
+the kernel compiled for the GPU therefore runs in a fresh `python` without the interpreter: `run_python`
+starts one per snippet, all at once, and fails with the stderr of any that fails. A snippet imports this
+file and calls one of the `check_*` functions below. Each takes its device as an argument, so it can be
+dry-run on a CPU in the interpreter (fp16 or fp32 there; the interpreter's bf16 tl.dot is wrong):
+
+    TRITON_INTERPRET=1 python -c "import sys; sys.path[:0] = ['.', 'tests']; import test_gpu; \\
+        test_gpu.check_kernel('cpu', 'float16', 16, [1, 17, 100])"
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+# ----------------------------------------------------------------------------- shared helpers
+
+
+def clean_env() -> dict:
+    """The environment of a process that runs the kernel compiled: TRITON_INTERPRET=0, not merely absent, so
+    that importing conftest (which sets it when absent) cannot switch the interpreter back on."""
+    return {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
+
+
+def run_python(*snippets: str, timeout: float = 300) -> list[str]:
+    """Run each snippet as `python -c`, all at the same time (Triton compiles in each), and return their stdouts."""
+    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=clean_env(), text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for code in snippets]
+    try:
+        outs = [proc.communicate(timeout=timeout) for proc in procs]
+    finally:
+        for proc in procs:  # does nothing to those that finished; a timeout must not leave the rest running
+            proc.kill()
+    for code, proc, (out, err) in zip(snippets, procs, outs, strict=True):
+        assert proc.returncode == 0, \
+            f"python -c {code!r} failed (exit {proc.returncode}):\n{out[-2000:]}\n{err[-6000:]}"
+    return [out for out, _ in outs]
+
+
+def compiled_kernels(device: str):
+    """kernels.py, checked to be the compiled kernel where the device is a GPU."""
+    import kernels
+
+    assert torch.device(device).type == "cpu" or not kernels.INTERPRETED, "TRITON_INTERPRET is set"
+    return kernels
+
+
+def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30)).item()
+
+
+# ----------------------------------------------------------------------------- the attention kernel
+
+KERNEL_LENGTHS = (1, 17, 100, 257, 1000, 4096)  # one row; ragged last blocks; a multiple of every block
+KERNEL_CASES = [(dtype, D) for dtype in ("float16", "bfloat16") for D in (16, 32, 64, 128)]
+
+
+def attention_and_grads(fn, qkv: torch.Tensor, do: torch.Tensor) -> list[torch.Tensor]:
+    """o, dq, dk, dv of fn on q, k, v made as the model makes them: strided views of one fused
+    (B, T, 3, H, D) projection, whose gradient arrives in that same fused tensor."""
+    qkv = qkv.detach().requires_grad_()
+    o = fn(*qkv.permute(2, 0, 3, 1, 4))  # (B, H, T, D)
+    (dqkv,) = torch.autograd.grad(o, qkv, do)
+    return [o, *dqkv.permute(2, 0, 3, 1, 4)]
+
+
+def check_kernel(device: str, dtype: str, head_dim: int, lengths=KERNEL_LENGTHS, batch: int = 2,
+                 heads: int = 2, factor: float = 3.0) -> None:
+    """Our kernel's o, dq, dk, dv against a float64 reference, next to SDPA's on the same rounded inputs:
+    our max error must be at most `factor` times SDPA's, plus an eighth of the dtype's precision at 1 (a
+    floor for T = 1, where both are exact or nearly so; far below what any indexing or masking bug does).
+    The backward, run twice, must agree bitwise."""
+    kernels = compiled_kernels(device)
+    dt = getattr(torch, dtype)
+    floor = torch.finfo(dt).eps / 8
+    for T in lengths:
+        gen = torch.Generator(device).manual_seed(T * 1000 + head_dim)
+        qkv = torch.randn(batch, T, 3, heads, head_dim, device=device, generator=gen).to(dt)
+        do = torch.randn(batch, heads, T, head_dim, device=device, generator=gen).to(dt)
+        want = attention_and_grads(kernels.attention_math, qkv.double(), do.double())
+        ours = attention_and_grads(kernels.attention_triton, qkv, do)
+        sdpa = attention_and_grads(kernels.attention_sdpa, qkv, do)
+        again = attention_and_grads(kernels.attention_triton, qkv, do)
+        for name, g, s, a, w in zip(("o", "dq", "dk", "dv"), ours, sdpa, again, want, strict=True):
+            where = f"{dtype} D={head_dim} T={T} {name}"
+            assert torch.equal(g, a), f"{where}: two runs differ"
+            err, err_sdpa = (g.double() - w).abs().max().item(), (s.double() - w).abs().max().item()
+            print(f"{where:<24} max error ours {err:.2e}  sdpa {err_sdpa:.2e}")
+            assert err <= factor * err_sdpa + floor, f"{where}: max error {err:.2e}, SDPA's {err_sdpa:.2e}"
+
+
+def test_kernel_matches_float64_like_sdpa_and_is_deterministic():
+    """fp16 and bf16, head dims 16 to 128, lengths 1 to 4096, one process per (dtype, head dim)."""
+    outs = run_python(*(f"import test_gpu; test_gpu.check_kernel('cuda', {dtype!r}, {D})"
+                        for dtype, D in KERNEL_CASES))
+    print("".join(outs))  # the table of errors, ours next to SDPA's: pytest -s shows it
+
+
+def check_compiled_model(device: str, dtype: str = "bfloat16", tol: float = 3e-2) -> None:
+    """A small GPT-2 with attn="triton" (head dim 64), every block compiled with fullgraph=True (a graph break
+    is an error), one forward and backward under autocast: the same loss and gradients as eager, within
+    `tol` (relative norm); and the attention function alone compiles as one graph too."""
+    from functools import partial
+
+    from model import GPTConfig, build
+
+    kernels = compiled_kernels(device)
+    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=128, block_size=128, vocab_size=257, attn="triton")
+    idx = torch.randint(0, 257, (2, 101), device=device, generator=torch.Generator(device).manual_seed(0))
+    x, y = idx[:, :-1], idx[:, 1:]  # T = 100: a ragged last block
+    autocast = torch.autocast(torch.device(device).type, getattr(torch, dtype), enabled=dtype != "float32")
+
+    def loss_and_grads(compile_blocks: bool):
+        model = build(cfg, seed=0, device=device)  # the same weights each time: init by (seed, name)
+        if compile_blocks:
+            for block in model.transformer.h:
+                block.compile(fullgraph=True)
+        with autocast:
+            _, loss = model(x, y)
+        loss.backward()
+        return loss, {name: p.grad for name, p in model.named_parameters()}
+
+    (loss, grads), (eager_loss, eager_grads) = loss_and_grads(True), loss_and_grads(False)
+    assert abs(loss.item() - eager_loss.item()) <= tol * abs(eager_loss.item()), (loss.item(), eager_loss.item())
+    for name, g in eager_grads.items():
+        assert rel_error(grads[name], g) <= tol, f"{name}: relative error {rel_error(grads[name], g):.1e}"
+    qkv = torch.randn(2, 100, 3, 2, 64, device=device).to(getattr(torch, dtype))
+    q, k, v = qkv.permute(2, 0, 3, 1, 4)
+    attn = torch.compile(partial(kernels.attention, backend="triton"), fullgraph=True)
+    assert torch.equal(attn(q, k, v), kernels.attention_triton(q, k, v))
+
+
+def test_compiled_model_with_triton_attention_matches_eager():
+    run_python("import test_gpu; test_gpu.check_compiled_model('cuda')")
+
+
+def check_backend_choice(device: str) -> None:
+    """What train.py asks before training: on an A100 or newer, `auto` is our kernel in bf16 and fp16,
+    SDPA in fp32, and --attn triton in fp32 is refused with a one-line answer. And `auto` left to compiled
+    code traces too (the device query is a constant to torch.compile)."""
+    kernels = compiled_kernels(device)
+    device = torch.device(device)
+    name, major, minor = kernels._gpu(device)
+    print(f"{name} (sm_{major}{minor})")
+    if (major, minor) < (8, 0):
+        assert "older than the kernel's sm_80 minimum" in kernels.triton_problem(device, torch.bfloat16, 64)
+        return
+    for dtype in (torch.bfloat16, torch.float16):
+        assert kernels.triton_problem(device, dtype, 64) is None
+        assert kernels.resolve_backend(device, dtype, 64) == "triton"
+    assert "--precision bf16 or fp16" in kernels.triton_problem(device, torch.float32, 64)
+    assert kernels.resolve_backend(device, torch.float32, 64) == "sdpa"
+    q, k, v = torch.randn(3, 1, 2, 64, 64, device=device, dtype=torch.bfloat16)
+    auto = torch.compile(lambda q, k, v: kernels.attention(q, k, v, "auto"), backend="eager", fullgraph=True)
+    assert torch.equal(auto(q, k, v), kernels.attention_triton(q, k, v))
+
+
+def test_backend_choice_on_this_gpu():
+    print(run_python("import test_gpu; test_gpu.check_backend_choice('cuda')")[0])
+
+
+# ----------------------------------------------------------------------------- training on the GPU
+# train.py as a user runs it on a GPU machine: its CUDA defaults (gpt2 preset, bf16, our kernel, compiled
+# blocks, fused AdamW), a corpus of GPT-2 tokens, the real tokenizer (fetched by the README's set-up
+# command; nothing here reaches the network).
+
+
+@pytest.fixture(scope="module")
+def gpu_corpus(tmp_path_factory) -> dict:
+    """~2 MB of the standard library (about 0.5M GPT-2 tokens) and a cache holding the GPT-2 tokenizer."""
+    import sysconfig
+
+    import data
+
+    ranks = data.DEFAULT_CACHE_DIR / data.GPT2_FILE
+    assert ranks.exists(), f"{ranks} is missing: run `python data.py --fetch-tokenizer` (the README's set-up)"
+    root = tmp_path_factory.mktemp("gpu_corpus")
+    (root / "cache").mkdir()
+    (root / "cache" / data.GPT2_FILE).write_bytes(ranks.read_bytes())
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    text, size = [], 0
+    for f in files:
+        if size > 2_000_000:
+            break
+        text.append(f.read_text(errors="replace"))
+        size += len(text[-1])
+    (root / "corpus.txt").write_text("\n\n".join(text))
+    return {"data": str(root / "corpus.txt"), "cache": str(root / "cache")}
+
+
+def train_on_gpu(corpus: dict, out: Path, *flags: str, check: bool = True,
+                 nproc: int = 1) -> subprocess.CompletedProcess:
+    """python train.py (or torchrun) with the CUDA defaults, on `corpus`, in a process without the interpreter."""
+    launcher = [sys.executable] if nproc == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    cmd = launcher + ["train.py", "--data", corpus["data"], "--cache-dir", corpus["cache"], "--out", str(out),
+                      *flags]
+    result = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=900)
+    if check:
+        assert result.returncode == 0, f"{' '.join(cmd)}: exit {result.returncode}\n" \
+                                       f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    return result
+
+
+def losses(out: Path) -> dict[int, float]:
+    import json
+
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "event" not in r}
+
+
+def weights(out: Path) -> dict:
+    import checkpoint
+
+    return checkpoint.consolidate(checkpoint.latest(out / "ckpt"))
+
+
+def test_the_default_run_trains_on_this_gpu(gpu_corpus, tmp_path):
+    """`python train.py` with every CUDA default (only the length cut): bf16, our kernel, compiled blocks;
+    the loss falls and a sample is printed."""
+    result = train_on_gpu(gpu_corpus, tmp_path / "run", "--max-steps", "30", "--eval-every", "15")
+    run = losses(tmp_path / "run")
+    assert run[30] < run[1] - 1.0, f"the loss did not fall: step 1 {run[1]:.3f}, step 30 {run[30]:.3f}"
+    assert "bf16, attention triton, compile on" in result.stdout, result.stdout[-2000:]
+
+
+# The issue's reproduction: gpt2 with micro-batches, checkpoints every 8 steps, SIGKILL after step 13, resume.
+RESUME = ["--preset", "gpt2", "--seq-len", "256", "--batch-size", "32", "--micro-batch-size", "16",
+          "--max-steps", "24", "--ckpt-every", "8", "--eval-every", "12", "--sample-tokens", "16"]
+# fp32 on CUDA takes --attn math: SDPA's fused backward (what `auto` picks in fp32) accumulates with atomics
+# and is not bitwise reproducible even without a crash; our kernel (bf16, fp16) and math are.
+# The CUDA defaults (bf16, compiled blocks, fused AdamW); the fp16 loss scaler; ZeRO-1's fp32 master weights.
+VARIANTS = {"bf16": ["--precision", "bf16"],
+            "fp16": ["--precision", "fp16", "--no-compile"],
+            "fp32": ["--precision", "fp32", "--attn", "math", "--no-compile"],
+            "bf16-zero1": ["--precision", "bf16", "--zero", "1", "--no-compile"]}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_killed_run_resumes_bitwise_on_cuda(variant, gpu_corpus, tmp_path):
+    """Killed with SIGKILL after step 13, resumed from the step-8 checkpoint (saved asynchronously): the
+    same losses at every step and the same final weights, bit for bit, as a run that was never killed
+    (saving synchronously). Sampling with the KV cache runs at every evaluation."""
+    flags = [*RESUME, *VARIANTS[variant]]
+    train_on_gpu(gpu_corpus, tmp_path / "straight", *flags)
+    killed = train_on_gpu(gpu_corpus, tmp_path / "killed", *flags, "--async-ckpt", "--crash-at", "step:13",
+                          check=False)
+    assert killed.returncode != 0, "--crash-at step:13 did not kill the run"
+    resumed = train_on_gpu(gpu_corpus, tmp_path / "killed", *flags, "--async-ckpt")
+    assert "resuming from" in resumed.stdout + resumed.stderr
+    assert losses(tmp_path / "killed") == losses(tmp_path / "straight")
+    want, got = weights(tmp_path / "straight"), weights(tmp_path / "killed")
+    for name, w in want.items():
+        assert torch.equal(got[name], w), f"{variant}: {name} differs after the resume"
+
+
+def test_more_processes_than_gpus_is_one_line(gpu_corpus, tmp_path):
+    """torchrun with one process more than this node has GPUs: refused at start-up, one line that says how
+    many to launch, instead of `CUDA error: invalid device ordinal`."""
+    n = torch.cuda.device_count() + 1
+    result = train_on_gpu(gpu_corpus, tmp_path / "run", "--preset", "tiny", "--max-steps", "1", nproc=n,
+                          check=False)
+    assert result.returncode != 0
+    assert f"{n} processes on this node but {n - 1} visible GPU" in result.stdout + result.stderr, \
+        (result.stdout + result.stderr)[-3000:]
+    assert "invalid device ordinal" not in result.stdout + result.stderr
