@@ -433,7 +433,8 @@ def setup(cfg: TrainConfig) -> Run:
     guard = SpikeGuard(cfg.spike_z, cfg.spike_window)
     saver = checkpoint.Saver(out / "ckpt", keep=cfg.keep, asynchronous=cfg.async_ckpt, grid=grid, run=run_id,
                              timeout_s=cfg.timeout)
-    n_params = sum(shape.numel() for shape in gpt.full_shapes(model_cfg).values())  # all ranks' shards
+    with torch.device("meta"):  # all ranks' shards together, the tied wte/lm_head once
+        n_params = gpt.count_params(gpt.GPT(model_cfg))
     grid.log(f"{model_cfg.n_layer}-layer model ({cfg.preset}, {n_params / 1e6:.1f}M parameters) on {device.type}: "
              f"{cfg.precision}, attention {cfg.attn}, compile {'on' if cfg.compile else 'off'}, "
              f"{cfg.max_steps} steps of {cfg.batch_size} x {cfg.seq_len} tokens")
