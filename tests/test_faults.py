@@ -13,7 +13,6 @@ import shutil
 import subprocess
 import sys
 import time
-import types
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +23,9 @@ from conftest import ROOT, TINY, metrics, run_train
 import checkpoint
 import data
 import model as gpt
+import parallel
 import rundir
+import storage
 
 RUN = ["--max-steps", "6", "--ckpt-every", "2", "--eval-every", "6", "--keep", "3"]
 
@@ -72,7 +73,7 @@ DAMAGES = {
     "name-bit-flip": lambda path: edit_manifest(path, flip_name),
     "a-list": lambda path: path.write_text("[1, 2]"),
     "only-format": lambda path: path.write_text(json.dumps({"format": "nanoscale-checkpoint", "version": 2})),
-    "resealed-wrong-shape": lambda path: path.write_text(json.dumps(checkpoint.seal(
+    "resealed-wrong-shape": lambda path: path.write_text(json.dumps(storage.seal(
         {"format": "nanoscale-checkpoint", "version": 2, "run": "x", "step": 4, "files": [], "tensors": {}}))),
 }
 
@@ -260,7 +261,7 @@ def test_a_full_disk_during_a_save_is_a_checkpoint_error(tmp_path, monkeypatch):
 
     def full(path, chunks):
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr(checkpoint, "write_chunks", full)
+    monkeypatch.setattr(storage, "write_chunks", full)
     with pytest.raises(checkpoint.CheckpointError, match="could not write the checkpoint of step 1.*No space left"):
         saver.save(1, model, opt, extra={}, meta={})
 
@@ -287,8 +288,8 @@ def test_a_corrupted_token_shard_is_one_line(corpus, tmp_path):
 
 
 def tiny_saver(tmp_path, rank=0, world=1, timeout_s=600.0):
-    grid = types.SimpleNamespace(rank=rank, world=world, dp=world, tp=1, pp=1, dp_rank=rank, tp_rank=0,
-                                 device=torch.device("cpu"), barrier=lambda: None)
+    grid = parallel.Grid(dp=world, rank=rank)  # a rank of a data-parallel job, without a process group
+    grid.barrier = lambda: None
     model = gpt.build(gpt.config_from_preset("tiny", 257), seed=0)
     opt = torch.optim.AdamW(model.parameters())
     return checkpoint.Saver(tmp_path / "ckpt", keep=2, asynchronous=False, grid=grid, run="r",

@@ -182,13 +182,13 @@ def gpu_corpus(tmp_path_factory) -> dict:
     """~2 MB of the standard library (about 0.5M GPT-2 tokens) and a cache holding the GPT-2 tokenizer."""
     import sysconfig
 
-    import data
+    import tokenizer
 
-    ranks = data.DEFAULT_CACHE_DIR / data.GPT2_FILE
+    ranks = tokenizer.DEFAULT_CACHE_DIR / tokenizer.GPT2_FILE
     assert ranks.exists(), f"{ranks} is missing: run `python data.py --fetch-tokenizer` (the README's set-up)"
     root = tmp_path_factory.mktemp("gpu_corpus")
     (root / "cache").mkdir()
-    (root / "cache" / data.GPT2_FILE).write_bytes(ranks.read_bytes())
+    (root / "cache" / tokenizer.GPT2_FILE).write_bytes(ranks.read_bytes())
     files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
     text, size = [], 0
     for f in files:

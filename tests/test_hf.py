@@ -8,7 +8,7 @@ import torch
 import transformers  # a test-only oracle, from requirements-dev.txt
 from conftest import ROOT, final_weights, run_train
 
-import checkpoint
+import hf
 import model as gpt
 
 
@@ -22,13 +22,13 @@ def hf_model(vocab=257):
 
 @pytest.mark.parametrize("safetensors", [True, False])
 def test_import_gives_the_same_logits_as_transformers(safetensors, tmp_path):
-    hf = hf_model()
-    hf.save_pretrained(tmp_path, safe_serialization=safetensors)
-    ours = gpt.build(gpt.GPTConfig(**checkpoint.hf_config(tmp_path)), seed=0).eval()
-    checkpoint.load_hf(ours, tmp_path)
+    theirs = hf_model()
+    theirs.save_pretrained(tmp_path, safe_serialization=safetensors)
+    ours = gpt.build(gpt.GPTConfig(**hf.hf_config(tmp_path)), seed=0).eval()
+    hf.load_hf(ours, tmp_path)
     idx = torch.randint(0, 257, (2, 40))
     with torch.no_grad():
-        expected = hf(idx).logits
+        expected = theirs(idx).logits
         got, _ = ours(idx)
     torch.testing.assert_close(got[..., :257], expected, rtol=1e-5, atol=1e-5)
 
@@ -38,7 +38,7 @@ def test_export_loads_in_transformers_and_round_trips(corpus, tmp_path):
     out = subprocess.run([sys.executable, str(ROOT / "checkpoint.py"), "export-hf", str(tmp_path / "run" / "ckpt"),
                           str(tmp_path / "hf")], capture_output=True, text=True, check=True).stdout
     assert "wrote a Hugging Face GPT-2 model" in out
-    hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
+    theirs = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
     weights = final_weights(tmp_path / "run")
     cfg = gpt.config_from_preset("tiny", 257)
     ours = gpt.build(cfg, seed=0).eval()
@@ -46,7 +46,7 @@ def test_export_loads_in_transformers_and_round_trips(corpus, tmp_path):
     ours.lm_head.weight = ours.transformer.wte.weight
     idx = torch.randint(0, 257, (2, 32))
     with torch.no_grad():
-        torch.testing.assert_close(hf(idx).logits, ours(idx)[0][..., :257], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(theirs(idx).logits, ours(idx)[0][..., :257], rtol=1e-5, atol=1e-5)
 
     # import the export on two tensor-parallel ranks, take one step at lr 1e-30 (below fp32's resolution
     # for these weights): they come back exactly

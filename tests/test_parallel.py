@@ -17,6 +17,7 @@ import torch
 from conftest import ROOT, TINY, assert_same_weights, final_weights, metrics, run_train
 
 import parallel
+import pipeline
 
 STEPS = ["--max-steps", "4", "--ckpt-every", "0"]
 
@@ -100,15 +101,15 @@ def test_pipeline_bubble_and_activation_memory(corpus, tmp_path):
 
 
 def test_schedules_are_what_the_papers_say():
-    assert parallel.one_f_one_b(4, 0, 6)[:4] == [("F", 0), ("F", 1), ("F", 2), ("F", 3)]
-    assert parallel.one_f_one_b(4, 3, 6)[:2] == [("F", 0), ("B", 0)]
+    assert pipeline.one_f_one_b(4, 0, 6)[:4] == [("F", 0), ("F", 1), ("F", 2), ("F", 3)]
+    assert pipeline.one_f_one_b(4, 3, 6)[:2] == [("F", 0), ("B", 0)]
     for p, m in ((2, 4), (4, 4), (4, 16), (3, 5)):
-        for schedule in (parallel.gpipe, parallel.one_f_one_b):
+        for schedule in (pipeline.gpipe, pipeline.one_f_one_b):
             ops = [schedule(p, r, m) for r in range(p)]
-            assert parallel.bubble_fraction(ops) == pytest.approx((p - 1) / (m + p - 1))
+            assert pipeline.bubble_fraction(ops) == pytest.approx((p - 1) / (m + p - 1))
     broken = [[("B", 0), ("F", 0)], [("F", 0), ("B", 0)]]  # stage 0 waits for a B that needs its F
     with pytest.raises(parallel.LayoutError):
-        parallel.simulate(broken)
+        pipeline.simulate(broken)
 
 
 def test_grid_rank_order():

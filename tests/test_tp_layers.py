@@ -60,13 +60,13 @@ def check_linear(grid, kind, groups, sp):
     d_in, d_out = (C, 3 * C) if kind == "column" else (4 * C, C)
     dense = torch.nn.Linear(d_in, d_out)
     x = torch.randn(B, T, d_in, requires_grad=True)
-    tp = parallel.TPContext(grid, sp)
+    grid.sp = sp
     if kind == "column":
-        layer = parallel.ColumnParallelLinear(d_in, d_out, tp, groups=groups)
+        layer = parallel.ColumnParallelLinear(d_in, d_out, grid, groups=groups)
         x_local = local_seq(x, grid, sp).detach().requires_grad_()  # input: replicated, or sequence-sharded
         want_out = last_dim(dense(x), layer.weight.shard)  # output: this rank's columns, all positions
     else:
-        layer = parallel.RowParallelLinear(d_in, d_out, tp)
+        layer = parallel.RowParallelLinear(d_in, d_out, grid)
         x_local = parallel.take_shard(x, {"dim": 2, "index": grid.tp_rank, "count": grid.tp, "groups": 1})
         x_local = x_local.detach().requires_grad_()  # input: this rank's features
         want_out = local_seq(dense(x), grid, sp)  # output: the full sum, for this rank's positions
@@ -91,8 +91,7 @@ def check_embedding_and_loss(grid):
     torch.manual_seed(0)
     dense = torch.nn.Embedding(V, C)
     idx, targets = torch.randint(0, V, (B, T)), torch.randint(0, V, (B, T))
-    tp = parallel.TPContext(grid, False)
-    emb = parallel.VocabParallelEmbedding(V, C, tp)
+    emb = parallel.VocabParallelEmbedding(V, C, grid)
     materialize(emb, {"weight": dense.weight.detach()})
     torch.testing.assert_close(emb(idx), dense(idx))
     g = torch.randn(B, T, C)
@@ -103,7 +102,7 @@ def check_embedding_and_loss(grid):
     logits = torch.randn(B, T, V, requires_grad=True)
     local = parallel.take_shard(logits.detach(), {"dim": 2, "index": grid.tp_rank, "count": grid.tp, "groups": 1})
     local.requires_grad_()
-    loss = parallel.VocabParallelCrossEntropy.apply(local, targets, tp, emb.vocab_start)
+    loss = parallel.VocabParallelLoss(grid, emb.vocab_start)(local, targets)
     want = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
     torch.testing.assert_close(loss, want)
     (loss * 3).backward()
@@ -134,8 +133,8 @@ def test_qkv_split_keeps_whole_heads():
 def test_layouts_that_cannot_split_are_refused():
     cfg = gpt.GPTConfig(n_layer=2, n_head=5, n_embd=80, block_size=64, vocab_size=257)
     with pytest.raises(parallel.LayoutError, match="does not divide the padded vocabulary 384"):
-        parallel.check_layout(cfg, parallel.Grid(tp=5), seq_len=64, sp=False)
+        parallel.check_layout(cfg, parallel.Grid(tp=5), seq_len=64)
     with pytest.raises(parallel.LayoutError, match="does not divide the model's 5 attention heads"):
-        parallel.check_layout(cfg, parallel.Grid(tp=2), seq_len=64, sp=False)
+        parallel.check_layout(cfg, parallel.Grid(tp=2), seq_len=64)
     with pytest.raises(parallel.LayoutError, match="needs --tp 2 or more"):
-        parallel.check_layout(cfg, parallel.Grid(tp=1), seq_len=64, sp=True)
+        parallel.check_layout(cfg, parallel.Grid(tp=1, sp=True), seq_len=64)

@@ -10,13 +10,15 @@ import pytest
 import torch
 from conftest import ROOT, metrics, run_train
 
+import config
 import data
+import stability
 import train
 
 
 def test_help_documents_every_flag():
     out = subprocess.run([sys.executable, str(ROOT / "train.py"), "--help"], capture_output=True, text=True).stdout
-    for f in train.TrainConfig.__dataclass_fields__:
+    for f in config.TrainConfig.__dataclass_fields__:
         assert "--" + f.replace("_", "-") in out, f
     assert "default" in out
 
@@ -24,10 +26,10 @@ def test_help_documents_every_flag():
 def test_same_seed_gives_bitwise_identical_losses(corpus, tmp_path):
     run_train(corpus, tmp_path / "a", "--max-steps", "6")
     run_train(corpus, tmp_path / "b", "--max-steps", "6")
-    run_train(corpus, tmp_path / "c", "--max-steps", "6", "--seed", "7")
+    run_train(corpus, tmp_path / "c", "--max-steps", "2", "--seed", "7")
     a, b, c = (metrics(tmp_path / x) for x in "abc")
     assert [r["loss"] for r in a] == [r["loss"] for r in b]
-    assert [r["loss"] for r in a] != [r["loss"] for r in c]
+    assert [r["loss"] for r in a[:2]] != [r["loss"] for r in c]
     assert set(a[-1]) >= {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "val_loss"}
 
 
@@ -51,7 +53,7 @@ def test_fp16_overflow_is_skipped_and_the_scale_backs_off(corpus, tmp_path):
 
 
 def test_loss_scaler_rules():
-    s = train.LossScaler(True, init_scale=1024.0, window=3)
+    s = stability.LossScaler(True, init_scale=1024.0, window=3)
     s.update(overflow=True)
     assert s.scale == 512.0
     for _ in range(3):
@@ -60,17 +62,17 @@ def test_loss_scaler_rules():
     g = [torch.full((2,), 1024.0)]
     s.unscale_(g)
     assert torch.equal(g[0], torch.ones(2))
-    off = train.LossScaler(False, init_scale=1024.0)
+    off = stability.LossScaler(False, init_scale=1024.0)
     assert off.scale == 1.0
-    s = train.LossScaler(True, init_scale=2.0**-23)
+    s = stability.LossScaler(True, init_scale=2.0**-23)
     with pytest.raises(FloatingPointError, match="loss scale collapsed"):
         s.update(overflow=True)
         s.update(overflow=True)
 
 
 def test_lr_schedule_warms_up_then_decays_to_min():
-    cfg = train.TrainConfig(lr=1.0, min_lr=0.1, warmup_steps=10, max_steps=110)
-    lrs = [train.lr_at(s, cfg) for s in range(111)]
+    cfg = config.TrainConfig(lr=1.0, min_lr=0.1, warmup_steps=10, max_steps=110)
+    lrs = [stability.lr_at(s, cfg) for s in range(111)]
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
     assert lrs[60] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
     assert lrs[110] == pytest.approx(0.1)
@@ -87,7 +89,7 @@ def test_non_finite_losses_stop_the_run(corpus, tmp_path):
 def test_weight_decay_only_on_matrices():
     import model as gpt
     m = gpt.build(gpt.config_from_preset("tiny", 257), seed=0)
-    opt = train.make_optimizer(m, train.TrainConfig(weight_decay=0.1), torch.device("cpu"))
+    opt = train.make_optimizer(m, config.TrainConfig(weight_decay=0.1), torch.device("cpu"))
     decay, no_decay = opt.param_groups
     assert decay["weight_decay"] == 0.1 and all(p.dim() == 2 for p in decay["params"])
     assert no_decay["weight_decay"] == 0.0 and all(p.dim() == 1 for p in no_decay["params"])
@@ -176,7 +178,7 @@ def test_gpu_defaults_fit_the_corpus(tmp_path):
     """What `python train.py` chooses on a GPU, worked out here for a ~1M-token corpus: GPT-2 on 64 x 1024
     tokens a step, about two epochs, and a validation split that holds at least one evaluation batch."""
     cuda = torch.device("cuda")  # only a name here: nothing runs on it
-    cfg = train.resolve(train.TrainConfig(attn="sdpa"), cuda)
+    cfg = config.resolve_defaults(config.TrainConfig(attn="sdpa"), cuda)
     assert (cfg.preset, cfg.seq_len, cfg.batch_size, cfg.precision, cfg.compile) == ("gpt2", 1024, 64, "bf16", True)
     words = [f"w{i}" for i in range(5000)]
     rng = np.random.default_rng(0)
@@ -187,7 +189,7 @@ def test_gpu_defaults_fit_the_corpus(tmp_path):
     train_tokens, val_tokens = (data.load_tokens(prepared / f"{s}.bin", vocab_size=257) for s in ("train", "val"))
     assert 0.9e6 < len(train_tokens) + len(val_tokens) < 1.2e6
     notes = []
-    train.resolve_steps(cfg, cuda, len(train_tokens), log=notes.append)
+    config.resolve_steps(cfg, cuda, len(train_tokens), log=notes.append)
     assert cfg.max_steps == math.ceil(2 * len(train_tokens) / (64 * 1024)) and "two epochs" in notes[0]
     assert len(data.eval_batches(val_tokens, 1024, 64, 4)) >= 1  # the failure on a small stdlib: 0
 

@@ -1,0 +1,215 @@
+"""What a run is asked to do: every flag of train.py, its default, and the defaults that depend on
+the device, the data or the model, settled before any slow work starts.
+
+    python train.py --help            # every flag below, with its default and what it must be
+
+A flag is a field of `TrainConfig` (cli.py turns the fields into the parser). Values that make no
+sense alone (`--lr -1`) are refused by the parser; combinations that cannot work (a batch that does
+not split over the data-parallel ranks, --seq-len longer than the model's context) are a
+`ConfigError`, one line, raised before the corpus is read. "auto" and 0 mean "decide for me":
+`resolve_defaults` decides what needs only the device and the model, `resolve_steps` what needs
+the size of the data.
+"""
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+import cli
+import data
+import hf
+import kernels
+import model as gpt
+import parallel
+import pipeline
+import stability
+import tokenizer
+from cli import arg, at_least
+
+AUTO = " (0: automatic)"
+CACHE_DIR = str(data.DEFAULT_CACHE_DIR)  # (inside the class, `data` is the field)
+CRASH_AT = re.compile(r"(rank:\d+:)?(step|save):\d+")
+
+
+@dataclass
+class TrainConfig:
+    # data
+    data: str = arg("stdlib", "corpus: 'stdlib' (Python's own library), 'shakespeare', or a file/dir/glob")
+    tokenizer: str = arg("gpt2", "tokenizer: 'gpt2' (BPE) or 'byte'", choices=["gpt2", "byte"])
+    cache_dir: str = arg(CACHE_DIR, "where prepared token shards and the tokenizer live")
+    # model
+    preset: str = arg("auto", "model size: auto (gpt2 on CUDA, mini on CPU) or one of "
+                      + ", ".join(gpt.PRESETS))
+    init_from: str = arg("", "start from Hugging Face GPT-2 weights: a local model directory (config.json "
+                         "and model.safetensors or pytorch_model.bin); its config replaces --preset")
+    seq_len: int = arg(0, "tokens per sequence (0: the model's context on CUDA, 128 on CPU)", at_least(0))
+    dropout: float = arg(0.0, "dropout probability", (lambda v: 0 <= v < 1, "must be in [0, 1)"))
+    attn: str = arg("auto", "attention backend (auto: our Triton kernel on CUDA where it applies, SDPA "
+                    "elsewhere)", choices=list(kernels.BACKENDS))
+    compile: bool | None = arg(None, "torch.compile each transformer block (default: on with CUDA, off on "
+                               "CPU, where compiling costs more than it saves at these sizes)")
+    # optimization
+    max_steps: int = arg(0, "optimizer steps (0: on CUDA, two epochs of the training data, at most 5000; "
+                         "on CPU 200, about 5 minutes)", at_least(0))
+    batch_size: int = arg(0, "global batch in sequences per optimizer step (0: 64 on CUDA, 8 on CPU)", at_least(0))
+    micro_batch_size: int = arg(0, "sequences per forward/backward on one rank; the rest is gradient "
+                                "accumulation (0: the whole per-rank batch)", at_least(0))
+    lr: float = arg(0.0, "peak learning rate (0: 6e-4 on CUDA, as GPT-2 124M trains; 2e-3 on CPU, where the "
+                    "model is small)", at_least(0, AUTO))
+    min_lr: float = arg(-1.0, "learning rate at the end of the cosine decay (-1: --lr / 10)",
+                        (lambda v: v >= 0 or v == -1, "must be >= 0, or -1 for --lr / 10"))
+    warmup_steps: int = arg(0, "linear warm-up steps (0: 5%% of max-steps)", at_least(0))
+    weight_decay: float = arg(0.1, "AdamW weight decay, on matrices and embeddings only", at_least(0))
+    clip: float = arg(1.0, "clip the global gradient norm to this (0: off)", at_least(0))
+    precision: str = arg("auto", "fp32, bf16 (autocast) or fp16 (autocast + loss scaling); auto: bf16 on "
+                         "CUDA, fp32 on CPU", choices=["auto", "fp32", "bf16", "fp16"])
+    loss_scale: float = arg(2.0**16, "fp16: initial loss scale", (lambda v: v > 0, "must be > 0"))
+    loss_scale_window: int = arg(1000, "fp16: grow the scale after this many steps without overflow", at_least(1))
+    max_bad_steps: int = arg(5, "stop after this many non-finite steps in a row", at_least(1))
+    # evaluation and logging
+    eval_every: int = arg(0, "evaluate (and print a sample) every N steps (0: 10 times per run)", at_least(0))
+    eval_batches: int = arg(4, "global batches of validation data per evaluation (fewer if the split is "
+                            "smaller)", at_least(1))
+    sample_tokens: int = arg(96, "tokens to sample at each evaluation (0: none)", at_least(0))
+    # run
+    out: str = arg("out", "run directory: metrics.jsonl, checkpoints (one run at a time holds it)")
+    seed: int = arg(1337, "seed for the initial weights and the data order",
+                    (lambda v: 0 <= v < 2**32, "must be in [0, 2^32)"))
+    device: str = arg("auto", "auto (CUDA when there is a GPU), cpu, cuda")
+    fresh: bool = arg(False, "start a new run at step 0: the previous run in --out is moved to --out/previous/")
+    # checkpoints and guards
+    ckpt_every: int = arg(0, "save a checkpoint every N steps (0: only at the end)", at_least(0))
+    keep: int = arg(2, "checkpoints to keep (older ones are deleted once a newer one is complete)", at_least(1))
+    async_ckpt: bool = arg(False, "save checkpoints in the background: training pays only for a copy")
+    spike_z: float = arg(0.0, "loss-spike guard (0: off): a loss more than Z standard deviations above "
+                         "the mean of the last --spike-window losses, and 20%% above it, is a spike: "
+                         "roll back to the last checkpoint and skip that batch", at_least(0))
+    spike_window: int = arg(20, "losses the spike guard keeps statistics over", at_least(1))
+    max_rollbacks: int = arg(3, "the spike guard gives up (an error) when it rolls back this many times in a "
+                             "row without getting past the spike", at_least(1))
+    crash_at: str = arg("", "fault injection for tests: 'step:N' SIGKILLs the process after step N, "
+                        "'save:N' in the middle of the save at step N, 'rank:R:step:N' only rank R (only "
+                        "in a launcher's first attempt, so a restarted job runs through)",
+                        (lambda v: v == "" or CRASH_AT.fullmatch(v), "must look like step:N, save:N or "
+                         "rank:R:step:N"))
+    poison_step: int = arg(-1, "fault injection for tests: replace batch N (the one step N + 1 draws) with one "
+                           "rare token repeated (-1: off)", at_least(-1))
+    # parallelism (launch with torchrun; data-parallel degree = processes / (tp * pp))
+    tp: int = arg(1, "tensor-parallel degree (ranks that split each layer)", at_least(1))
+    pp: int = arg(1, "pipeline-parallel degree (stages of layers)", at_least(1))
+    sp: bool = arg(False, "sequence parallelism: shard LayerNorm/dropout activations along the sequence "
+                   "across the tensor-parallel ranks")
+    pp_schedule: str = arg("1f1b", "pipeline schedule", choices=list(pipeline.SCHEDULES))
+    zero: int = arg(0, "1: ZeRO-1, shard the optimizer state across data-parallel ranks", choices=[0, 1])
+    bucket_mb: float = arg(25.0, "data-parallel gradient bucket size in MB", (lambda v: v > 0, "must be > 0"))
+    no_overlap: bool = arg(False, "all-reduce gradients after the backward instead of during it")
+    timeout: float = arg(300.0, "seconds a collective (or a checkpoint commit) may wait for a peer before the "
+                         "run fails", (lambda v: v > 0, "must be > 0"))
+    print_grid: bool = arg(False, "print the process grid at start-up")
+    print_schedule: bool = arg(False, "print the pipeline schedule the stages ran on the first step")
+    comm_report: bool = arg(False, "print the bytes every collective moved on the first step, next to "
+                            "the formula they should match")
+
+
+def parse_args(argv=None) -> TrainConfig:
+    p = cli.parser(TrainConfig, __doc__.split("\n")[0], prog="python train.py",
+                   epilog="Every flag has a default; see README.md and lessons/ for what they do.")
+    return TrainConfig(**vars(p.parse_args(argv)))
+
+
+class ConfigError(ValueError):
+    """A flag combination that cannot work; printed as one line."""
+
+
+# ----------------------------------------------------------------------------- defaults by device
+
+
+def resolve_defaults(cfg: TrainConfig, device: torch.device, bf16_ok: bool = True) -> TrainConfig:
+    """Fill the 'auto' / 0 defaults that need no data, and check that the flags make sense together,
+    before any slow work. (--max-steps and what depends on it wait for the data: `resolve_steps`.)"""
+    cuda = device.type == "cuda"
+    if cfg.init_from:
+        arch = hf.hf_config(Path(cfg.init_from))
+        block, n_head, n_embd = arch["block_size"], arch["n_head"], arch["n_embd"]
+        cfg.preset = f"Hugging Face ({cfg.init_from})"
+    else:
+        if cfg.preset == "auto":
+            cfg.preset = "gpt2" if cuda else "mini"
+        if cfg.preset not in gpt.PRESETS:
+            raise ConfigError(f"unknown preset {cfg.preset!r}; choose one of: {', '.join(gpt.PRESETS)}")
+        _, n_head, n_embd, block = gpt.PRESETS[cfg.preset]
+    cfg.seq_len = cfg.seq_len or (block if cuda else min(block, 128))
+    if cfg.seq_len > block:
+        raise ConfigError(f"--seq-len {cfg.seq_len} is longer than the {cfg.preset} model's context "
+                          f"({block} tokens); use --seq-len {block} or less")
+    cfg.batch_size = cfg.batch_size or (64 if cuda else 8)
+    cfg.lr = cfg.lr or (6e-4 if cuda else 2e-3)
+    cfg.min_lr = cfg.lr / 10 if cfg.min_lr < 0 else cfg.min_lr
+    if cfg.precision == "auto":
+        cfg.precision = "bf16" if cuda and bf16_ok else "fp32"
+    if cfg.compile is None:
+        cfg.compile = cuda
+    cfg.attn = resolve_attention(cfg, device, n_embd // n_head)
+    return cfg
+
+
+def resolve_attention(cfg: TrainConfig, device: torch.device, head_dim: int) -> str:
+    """'auto' becomes a concrete backend once, here, so that compiled code never has to decide; and
+    --attn triton where the kernel cannot run is one clear line now, not a traceback later."""
+    dtype = stability.PRECISIONS[cfg.precision].compute or torch.float32
+    if cfg.attn == "auto":
+        return kernels.resolve_backend(device, dtype, head_dim)
+    if cfg.attn == "triton" and (problem := kernels.triton_problem(device, dtype, head_dim)):
+        raise ConfigError(f"--attn triton: {problem}")
+    return cfg.attn
+
+
+def resolve_steps(cfg: TrainConfig, device: torch.device, train_tokens: int, log=print) -> None:
+    """--max-steps 0: on a CPU 200 steps (minutes); on a GPU two epochs of the data, at most 5000 steps,
+    so that the default run fits the corpus instead of repeating it dozens of times."""
+    if not cfg.max_steps:
+        if device.type == "cuda":
+            per_step = cfg.batch_size * cfg.seq_len
+            cfg.max_steps = max(1, min(5000, math.ceil(2 * train_tokens / per_step)))
+            log(f"max-steps {cfg.max_steps}: two epochs of {train_tokens / 1e6:.1f}M training tokens at "
+                f"{per_step:,} tokens a step (--max-steps to choose)")
+        else:
+            cfg.max_steps = 200
+    cfg.warmup_steps = cfg.warmup_steps or max(1, cfg.max_steps // 20)
+    cfg.eval_every = cfg.eval_every or max(1, cfg.max_steps // 10)
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError("--device cuda was asked for but no CUDA device is visible; use --device cpu")
+    if name != "cpu" and not name.startswith("cuda"):
+        raise ConfigError(f"--device {name}: choose auto, cpu or cuda")
+    return torch.device(name)
+
+
+def check_batch(cfg: TrainConfig, grid: parallel.Grid) -> int:
+    """The batch must split over the data-parallel ranks, and each rank's share into micro-batches."""
+    if cfg.batch_size % grid.dp:
+        raise ConfigError(f"--batch-size {cfg.batch_size} is not divisible by the data-parallel degree {grid.dp}")
+    per_rank = cfg.batch_size // grid.dp
+    cfg.micro_batch_size = cfg.micro_batch_size or per_rank
+    if per_rank % cfg.micro_batch_size:
+        raise ConfigError(f"--micro-batch-size {cfg.micro_batch_size} does not divide the per-rank batch "
+                          f"{per_rank} (= --batch-size {cfg.batch_size} / {grid.dp} data-parallel ranks)")
+    return per_rank
+
+
+def model_config(cfg: TrainConfig, tok: tokenizer.Tokenizer) -> gpt.GPTConfig:
+    """The architecture: a preset, or the config.json of the Hugging Face model to start from."""
+    if not cfg.init_from:
+        return gpt.config_from_preset(cfg.preset, tok.vocab_size, dropout=cfg.dropout, attn=cfg.attn)
+    arch = hf.hf_config(Path(cfg.init_from))
+    if arch["vocab_size"] != tok.vocab_size:
+        raise ConfigError(f"{cfg.init_from} has a vocabulary of {arch['vocab_size']} tokens but the {tok.name} "
+                          f"tokenizer has {tok.vocab_size}; use the tokenizer the model was trained with")
+    return gpt.GPTConfig(**arch, dropout=cfg.dropout, attn=cfg.attn)

@@ -1,0 +1,237 @@
+"""What the papers predict, next to what ran: the formulas behind every report this codebase prints.
+
+    traffic    the bytes each collective should move in a step (Megatron's 4 activations per
+               layer, one activation per micro-batch between stages, the gradient volume) —
+               `comm_report` puts them beside the bytes `Grid` counted
+    overlap    when each gradient bucket's collective started, relative to the end of backward
+    memory     ZeRO's K = 12 bytes of optimizer state per parameter, / dp under stage 1
+    plan       a whole run on paper: memory, traffic and time of any layout (lesson 11)
+    peak       the FLOP/s an MFU is measured against: a table for GPUs, a measured matmul on CPU
+
+Nothing here changes training; train.py calls it for --comm-report and MFU, lessons 06-11 to
+check their arithmetic.
+"""
+
+import time
+from collections import defaultdict
+
+import torch
+
+import model as gpt
+from gradients import GradSync, ZeroAdamW
+from parallel import Grid, LayoutError, stage_layers
+
+
+def peak_flops(device: torch.device, precision: str) -> float:
+    """Peak dense FLOP/s, the denominator of MFU: a table for GPUs (16-bit tensor cores; TF32 for
+    fp32), a measured fp32 matmul rate on CPU."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        table = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12,
+                 "4090": 165e12, "3090": 71e12, "V100": 125e12, "T4": 65e12}
+        peak = next((v for k, v in table.items() if k in name), 312e12)
+        return peak / 2 if precision == "fp32" else peak
+    return measured_matmul_flops()
+
+
+def measured_matmul_flops(n: int = 1024, seconds: float = 0.3) -> float:
+    """This CPU's fp32 matmul rate: the best a well-shaped matmul achieves here."""
+    gen = torch.Generator().manual_seed(0)  # its own stream: the run's RNG state is left alone
+    a, b = torch.randn(n, n, generator=gen), torch.randn(n, n, generator=gen)
+    a @ b
+    reps, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a @ b
+        reps += 1
+    return 2 * n**3 * reps / (time.perf_counter() - t0)
+
+
+# ----------------------------------------------------------------------------- measured against the papers
+
+
+def expected_traffic(cfg: gpt.GPTConfig, grid: Grid, micro_batch: int, n_micro: int, seq_len: int,
+                     sync: GradSync | None, model: torch.nn.Module) -> dict:
+    """Bytes this rank's collectives should move in one fp32 training step, by (op, group), from
+    the formulas: Megatron's 2 all-reduces forward + 2 backward per layer of B*T*C activations
+    (all-gather + reduce-scatter of the same volume under --sp), one activation send per
+    micro-batch each way between pipeline stages, and the data-parallel gradient volume."""
+    e, sp = defaultdict(int), grid.sp
+    first, last = grid.first_stage, grid.last_stage
+    layers = len(stage_layers(cfg.n_layer, grid.pp, grid.pp_rank))
+    btc, bt = micro_batch * seq_len * cfg.n_embd * 4, micro_batch * seq_len * 4
+    if grid.tp > 1:
+        per_micro = defaultdict(int)
+        if sp:
+            per_micro[("all_gather", "tp")] += 4 * layers * btc + (btc if first else 0) + (btc if last else 0)
+            per_micro[("reduce_scatter", "tp")] += 4 * layers * btc + (btc if last else 0)
+        else:
+            per_micro[("all_reduce", "tp")] += 4 * layers * btc + (btc if last else 0)
+        per_micro[("all_reduce", "tp")] += (btc if first else 0) + (3 * bt if last else 0)
+        for k, v in per_micro.items():
+            e[k] += n_micro * v
+        if sp:  # LayerNorm and row-parallel bias gradients, once per step
+            e[("all_reduce", "tp")] += 4 * sum(p.numel() for p in model.parameters()
+                                               if getattr(p, "sequence_parallel", False))
+    if grid.pp > 1:
+        act = btc // grid.tp if sp else btc
+        e[("send", "pp")] += n_micro * act * ((not last) + (not first))
+        if first or last:
+            e[("all_reduce", "embed")] += cfg.padded_vocab // grid.tp * cfg.n_embd * 4
+    if sync is not None and grid.dp > 1:
+        if sync.zero:
+            padded = sum(b.main_grad.numel() for b in sync.buckets)
+            e[("reduce_scatter", "dp")] += 4 * padded
+            e[("all_gather", "dp")] += padded * next(model.parameters()).element_size()
+        else:
+            e[("all_reduce", "dp")] += 4 * sum(b.numel for b in sync.buckets)
+    for group in ("tp", "pp") + (("dp",) if sync is not None and sync.zero else ()):
+        if grid.size(group) > 1:
+            e[("all_reduce", group)] += 4  # the squared gradient norm
+    for group in ("pp", "dp"):
+        if grid.size(group) > 1:
+            e[("all_reduce", group)] += 4  # the loss, for logging and the guards
+    return dict(e)
+
+
+def comm_report(grid: Grid, expected: dict) -> str:
+    """Measured bytes per (collective, group) next to the formula, and what a ring algorithm puts
+    on each rank's link: 2(n-1)/n of the buffer for an all-reduce, (n-1)/n for the others."""
+    lines = [f"communication of one training step on rank {grid.rank} (dp {grid.dp_rank}, tp {grid.tp_rank}, "
+             f"pp {grid.pp_rank}):",
+             f"  {'collective':<15}{'group':<7}{'calls':>6}{'measured bytes':>16}{'formula':>14}  "
+             f"{'match':<6}{'ring bytes/rank':>16}"]
+    for key in sorted(set(grid.traffic.counts) | set(expected)):
+        op, group = key
+        calls, measured = grid.traffic.counts.get(key, [0, 0])
+        n = grid.size(group)
+        ring = measured * (2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n if op != "send" else 1)
+        lines.append(f"  {op:<15}{group:<7}{calls:>6}{measured:>16,}{expected.get(key, 0):>14,}  "
+                     f"{'yes' if measured == expected.get(key, 0) else 'NO':<6}{ring:>16,.0f}")
+    return "\n".join(lines)
+
+
+def overlap_report(sync: GradSync) -> str:
+    """When each bucket's collective started relative to the end of the backward pass."""
+    events = sync.last_events
+    done = next(t for what, _, t in events if what == "backward done")
+    launches = [(i, t) for what, i, t in events if what == "launch"]
+    early = sum(1 for _, t in launches if t < done)
+    lines = [f"gradient buckets: {len(sync.buckets)}; launched before the backward finished: {early}"]
+    for i, t in launches:
+        lines.append(f"  bucket {i}: launched {1e3 * (t - done):+8.2f} ms from the end of the backward")
+    reduced = next(t for what, _, t in events if what == "reduced")
+    lines.append(f"  waiting for communication after the backward: {1e3 * (reduced - done):.2f} ms")
+    return "\n".join(lines)
+
+
+def zero_memory_report(opt, model: torch.nn.Module, grid: Grid) -> str:
+    """Optimizer state on this rank against the ZeRO paper's K = 12 bytes per parameter / dp."""
+    n = sum(p.numel() for p in model.parameters())
+    measured = opt.memory_bytes() if isinstance(opt, ZeroAdamW) else 8 * n  # torch AdamW: two fp32 moments
+    formula = (12 if isinstance(opt, ZeroAdamW) else 8) * n / (grid.dp if isinstance(opt, ZeroAdamW) else 1)
+    return (f"optimizer state on rank {grid.rank}: {measured:,} bytes for {n:,} local parameters; "
+            f"formula {'12 N / dp' if isinstance(opt, ZeroAdamW) else '8 N'} = {formula:,.0f} "
+            f"(padding {measured - formula:,.0f} bytes)")
+
+
+# ----------------------------------------------------------------------------- planning a run on paper
+
+
+# ----------------------------------------------------------------------------- planning a run on paper
+
+
+def state_bytes(n_params: float, dp: int, zero: int = 1, grad_bytes: int = 4) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes of one model replica's parameters on one data-parallel
+    rank. Weights are bf16 (2 bytes); the optimizer keeps K = 12 bytes per parameter (fp32 master
+    copy, Adam's two moments). ZeRO stage 1 shards the optimizer over dp, stage 2 the gradients too,
+    stage 3 the weights too (Rajbhandari et al. 2020, "ZeRO", section 5 and figure 1).
+    grad_bytes=4 (fp32 gradients, zero=1) is Megatron-LM's distributed optimizer and what
+    `ZeroAdamW` does under --precision bf16: 6 + 12/dp bytes per parameter. grad_bytes=2 is the
+    ZeRO paper's 2Ψ + 2Ψ + KΨ/Nd."""
+    return (2 * n_params / (dp if zero >= 3 else 1), grad_bytes * n_params / (dp if zero >= 2 else 1),
+            12 * n_params / (dp if zero >= 1 else 1))
+
+
+def plan(n_layer: int, n_head: int, d_model: int, vocab: int, seq_len: int, batch: int, n_gpus: int,
+         tp: int = 1, pp: int = 1, micro_batch: int = 1, zero: int = 1, tokens: float = 0.0,
+         mfu: float = 0.40, peak_flops: float = 989e12, grad_bytes: int = 4,
+         nvlink_bw: float = 450e9, net_bw: float = 50e9) -> dict:
+    """One training run of a dense GPT-2-shaped model, on paper: what each GPU holds, what it sends
+    per optimizer step, and how long `tokens` take at an assumed model-FLOPs utilization `mfu`.
+    `batch` is the global batch in sequences (train.py's --batch-size); dp = n_gpus / (tp pp).
+    The defaults describe H100 SXM: 989 TFLOP/s dense bf16, ~450 GB/s NVLink, a 400 Gb/s NIC per GPU.
+
+    parameters  12 L d^2 + 13 L d + (V + s) d + 2 d: model.py exactly (Narayanan et al. 2021, sec. 5.1
+                without the final LayerNorm); FLOPs use the 12 L d^2 + V d in matmuls:
+                6 N + 12 L H Q T per token (PaLM, appendix B; model.flops_per_token)
+    memory      state_bytes() on the N / (tp pp) parameters this GPU holds, plus activations with
+                sequence parallelism and selective recomputation (flash attention keeps no s x s
+                scores): 34 s b d / tp bytes per layer and micro-batch (Korthikanti et al. 2022,
+                table 2); under 1F1B the first stage keeps min(pp, m) micro-batches of L/pp layers.
+    traffic     bytes one GPU sends per step with ring collectives (2(n-1)/n of an all-reduced buffer):
+                tp  4 all-reduces (or all-gather + reduce-scatter pairs) of one bf16 s b d activation
+                    per layer per micro-batch (Shoeybi et al. 2019, sec. 3), over NVLink;
+                pp  one activation forward, one gradient backward per micro-batch, s b d / tp each;
+                dp  ZeRO: reduce-scatter the gradients, all-gather bf16 weights (twice for stage 3);
+                    without it, all-reduce the gradients. Once per step: a ZeRO-2 that reduces after
+                    every micro-batch moves m times the gradient bytes.
+    time        flops / (n_gpus peak mfu). MFU is an assumption, measured elsewhere: it already pays
+                for the bubble and any communication that is not hidden."""
+    dp = n_gpus // (tp * pp)
+    if dp * tp * pp != n_gpus or n_head % tp or n_layer < pp or batch % (dp * micro_batch):
+        raise LayoutError(f"{n_gpus} GPUs as tp {tp} x pp {pp} x dp, {n_head} heads, {n_layer} layers, "
+                          f"batch {batch} in micro-batches of {micro_batch}: not a possible layout")
+    shape = gpt.GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=d_model, block_size=seq_len, vocab_size=vocab)
+    L, d, s, b, V = n_layer, d_model, seq_len, micro_batch, shape.padded_vocab
+    n_params = 12 * L * d * d + 13 * L * d + (V + s) * d + 2 * d
+    flops_per_token = gpt.flops_per_token(shape, s)
+    local = n_params / (tp * pp)  # the first and last stage also hold V d / tp of embedding: ignored
+    weights, grads, optimizer = state_bytes(local, dp, zero, grad_bytes)
+    m, layers = batch // (dp * b), -(-L // pp)  # micro-batches per pipeline and step; layers per stage
+    activations = 34 * s * b * d / tp * layers * min(pp, m)
+    act = 2 * s * b * d  # one bf16 activation, bytes
+
+    def ring(n):  # the fraction of a buffer each rank sends in a ring reduce-scatter or all-gather
+        return (n - 1) / n
+
+    gathers = 2 if zero >= 3 else 1  # stage 3 all-gathers the weights again for the backward
+    comm = {"tp": 4 * layers * m * act * 2 * ring(tp),  # an all-reduce = reduce-scatter + all-gather
+            "pp": 2 * m * act / tp if pp > 1 else 0.0,
+            "dp": (local * (grad_bytes + 2 * gathers) if zero else 2 * local * grad_bytes) * ring(dp)}
+    step_s = flops_per_token * batch * s / (n_gpus * peak_flops * mfu)
+    seconds = tokens / (batch * s) * step_s
+    return {"params": n_params, "flops_per_token": flops_per_token, "dp": dp, "tp": tp, "pp": pp,
+            "micro_batches": m, "bubble": (pp - 1) / (m + pp - 1),
+            "memory": {"weights": weights, "grads": grads, "optimizer": optimizer, "activations": activations,
+                       "total": weights + grads + optimizer + activations},
+            "comm": comm, "comm_s": {"tp": comm["tp"] / nvlink_bw, "pp": comm["pp"] / net_bw,
+                                     "dp": comm["dp"] / net_bw},
+            "mfu": mfu, "step_s": step_s, "tokens_per_s": batch * s / step_s, "n_gpus": n_gpus,
+            "tokens": tokens, "days": seconds / 86400, "gpu_hours": seconds * n_gpus / 3600}
+
+
+def format_plan(p: dict) -> str:
+    """plan()'s numbers as a few lines of text (GB = 1e9 bytes)."""
+    mem, comm, t = p["memory"], p["comm"], p["comm_s"]
+    lines = [f"model   {p['params'] / 1e9:.2f}B parameters, {p['flops_per_token']:.3g} FLOPs per token",
+             f"layout  {p['n_gpus']} GPUs = dp {p['dp']} x tp {p['tp']} x pp {p['pp']}; "
+             f"{p['micro_batches']} micro-batches per step, bubble {p['bubble']:.1%}",
+             "memory  " + "  ".join(f"{k} {v / 1e9:.1f}" for k, v in mem.items()) + " GB per GPU",
+             "traffic " + "  ".join(f"{k} {comm[k] / 1e9:.2f} GB ({t[k]:.2f} s)" for k in comm)
+             + " per GPU and step",
+             f"time    {p['step_s']:.2f} s per step at {p['mfu']:.0%} MFU: "
+             f"{p['tokens_per_s'] / 1e6:.2f}M tokens/s, {p['tokens_per_s'] / p['n_gpus']:,.0f} per GPU"]
+    if p["tokens"]:
+        lines.append(f"budget  {p['tokens'] / 1e12:g}T tokens: {p['days']:.2f} days, "
+                     f"{p['gpu_hours']:,.0f} GPU-hours")
+    return "\n".join(lines)
+
+
+def traffic_matches(grid: Grid, expected: dict) -> bool:
+    """Did every collective on every rank move exactly the bytes of the formula? (A collective: every
+    rank must call it.)"""
+    counts = grid.traffic.counts
+    wrong = sum(counts.get(k, [0, 0])[1] != v for k, v in expected.items()) + sum(k not in expected for k in counts)
+    flag = torch.tensor(float(wrong), device=grid.device)
+    grid.all_reduce(flag, "world")
+    return flag.item() == 0

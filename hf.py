@@ -1,0 +1,109 @@
+"""Hugging Face GPT-2: start a run from their weights (`--init-from`), hand ours back (`export-hf`).
+
+A Hugging Face GPT-2 model directory holds two files:
+
+    config.json          the architecture: n_layer, n_head, n_embd, n_positions (our block_size),
+                         vocab_size, and settings that GPT-2 fixes (GELU with tanh, LayerNorm eps 1e-5)
+    model.safetensors    the weights (older directories: pytorch_model.bin, a pickled state dict)
+
+model.py uses the names of Hugging Face's GPT2LMHeadModel (`transformer.h.0.attn.c_attn.weight`,
+...), so most tensors map one to one. The differences, and what each direction does about them:
+
+* Conv1D. OpenAI's original GPT-2 code, which Hugging Face kept, multiplies x @ W with W stored as
+  (in, out). nn.Linear stores (out, in) and computes x @ W.T. So the four projection weights of each
+  block (CONV1D) are transposed on the way in and on the way out; biases, LayerNorms and
+  embeddings are the same either way.
+* Tied weights. The output layer `lm_head.weight` *is* the token embedding `transformer.wte.weight`:
+  one tensor. Import reads wte and skips lm_head; export writes wte only, with
+  "tie_word_embeddings": true.
+* A padded vocabulary. Our embedding has a multiple of 128 rows (50257 -> 50304) for faster
+  matmuls: import appends zero rows, export cuts them off.
+* Old files. Some name tensors without the "transformer." prefix, and some store the attention's
+  causal mask (`attn.bias`, `attn.masked_bias`), a buffer rather than a weight, which is skipped.
+
+Import (`hf_config`, `read_hf_weights`, `load_hf`) renames and transposes every tensor into our
+layout, then each rank copies only its own slice (`parallel.take_shard`), so a model built for
+tensor parallelism starts from the same weights as one on a single device. Export (`export_hf`)
+takes the full fp32 tensors that `checkpoint.consolidate` rebuilds from a checkpoint of any layout, undoes
+the differences above, and writes a directory that `transformers.GPT2LMHeadModel.from_pretrained` loads.
+"""
+
+import json
+from pathlib import Path
+
+import torch
+
+from model import canonical_name
+from parallel import take_shard
+from storage import CheckpointError, read_safetensors, replace_atomically, write_safetensors
+
+# The weights Hugging Face stores transposed (Conv1D, (in, out)) relative to our nn.Linear ((out, in)).
+CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+def hf_config(directory: Path) -> dict:
+    """GPTConfig fields from a Hugging Face GPT-2 config.json."""
+    try:
+        cfg = json.loads((Path(directory) / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{directory}: no readable config.json ({e.__class__.__name__}); point "
+                              "--init-from at a Hugging Face GPT-2 model directory") from None
+    if cfg.get("model_type") != "gpt2":
+        raise CheckpointError(f"{directory} holds a {cfg.get('model_type')!r} model, not GPT-2")
+    return {"n_layer": cfg["n_layer"], "n_head": cfg["n_head"], "n_embd": cfg["n_embd"],
+            "block_size": cfg["n_positions"], "vocab_size": cfg["vocab_size"]}
+
+
+def read_hf_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """Our names and layouts for the tensors of a Hugging Face GPT-2 directory."""
+    directory = Path(directory)
+    if (directory / "model.safetensors").exists():
+        raw = read_safetensors(directory / "model.safetensors")
+    elif (directory / "pytorch_model.bin").exists():
+        raw = torch.load(directory / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    else:
+        raise CheckpointError(f"{directory} has neither model.safetensors nor pytorch_model.bin")
+    ours = {}
+    for name, t in raw.items():
+        name = name if name.startswith(("transformer.", "lm_head.")) else "transformer." + name
+        if name.endswith((".attn.bias", ".attn.masked_bias")) or name == "lm_head.weight":
+            continue  # the causal-mask buffers of old checkpoints; lm_head is tied to wte
+        ours[name] = t.t() if name.endswith(CONV1D) else t
+    return ours
+
+
+def load_hf(model: torch.nn.Module, directory: Path) -> None:
+    """Copy Hugging Face GPT-2 weights into this rank's (possibly sharded) model."""
+    weights = read_hf_weights(directory)
+    for name, p in model.named_parameters():
+        name = canonical_name(name)
+        if name not in weights:
+            raise CheckpointError(f"{directory}: no tensor for {name}")
+        w = weights[name].float()
+        if name == "transformer.wte.weight":  # pad the vocabulary to the model's multiple of 128
+            w = torch.cat([w, w.new_zeros(model.config.padded_vocab - w.shape[0], w.shape[1])])
+        part = take_shard(w, getattr(p, "shard", None))  # this rank's slice under tensor parallelism
+        if part.shape != p.shape:
+            raise CheckpointError(f"{directory}: {name} has shape {tuple(w.shape)}, which does not fit this model")
+        with torch.no_grad():
+            p.copy_(part)
+
+
+def export_hf(weights: dict[str, torch.Tensor], manifest: dict, out_dir: Path) -> None:
+    """Write a checkpoint, as checkpoint.consolidate gives it (full tensors, our names) with its
+    verified manifest, as a Hugging Face GPT2LMHeadModel directory."""
+    m, tok = manifest["meta"]["model"], manifest["meta"]["tokenizer"]
+    weights = dict(weights)
+    weights["transformer.wte.weight"] = weights["transformer.wte.weight"][: m["vocab_size"]]
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_safetensors(out_dir / "model.safetensors",
+                      {n: (t.t() if n.endswith(CONV1D) else t).contiguous() for n, t in weights.items()})
+    eot = m["vocab_size"] - 1  # <|endoftext|> is the last token of both our tokenizers
+    config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": m["vocab_size"],
+              "n_positions": m["block_size"], "n_ctx": m["block_size"], "n_embd": m["n_embd"],
+              "n_layer": m["n_layer"], "n_head": m["n_head"], "n_inner": None, "activation_function": "gelu_new",
+              "layer_norm_epsilon": 1e-5, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+              "bos_token_id": eot, "eos_token_id": eot, "tie_word_embeddings": True,
+              "nanoscale": {"tokenizer": tok, "step": manifest["step"]}}
+    replace_atomically(out_dir / "config.json", json.dumps(config, indent=2))

@@ -1,0 +1,262 @@
+"""How bytes reach the disk safely, and how a reader knows they are the bytes that were written.
+
+checkpoint.py decides *what* a checkpoint holds; this file answers three smaller questions about
+the files that hold it.
+
+1. How to write a file that a crash cannot leave half-written. `f.write` returns once the bytes
+   are in the operating system's page cache, not on the disk: a power cut a moment later loses
+   them, and a file written in place can be caught half-new, half-old. So a file that must appear
+   whole is written under another name and renamed over the old one (`replace_atomically`):
+
+       write   latest.tmp           the new bytes, under a name no reader looks at
+       fsync   latest.tmp           returns only once the device holds them
+       rename  latest.tmp -> latest atomic on POSIX: a reader sees the old file or the new, never half
+       fsync   the directory        a rename is a change to the directory, which a power cut can
+                                    otherwise forget
+
+   Every file is also read back and hashed after its fsync (`write_durably`, `write_chunks`): a
+   write that returns is on the disk as intended, or it raised.
+
+2. How tensors are laid out in a file: safetensors, the format Hugging Face uses.
+
+       8 bytes     N, the length of the header, little-endian
+       N bytes     JSON {name: {"dtype": "F32", "shape": [384, 64], "data_offsets": [start, end]},
+                         "__metadata__": {str: str}}, padded with spaces to a multiple of 8
+       the rest    every tensor's raw bytes, back to back; the offsets count from here
+
+   Unlike a pickle, opening one runs no code, and the data can be memory-mapped: the tensors
+   `read_safetensors` returns read from the file only when they are used.
+
+3. How a reader knows nothing changed. Each data file's sha256 and size go into the checkpoint's
+   manifest, and the manifest carries the sha256 of its own contents (`seal`), computed over
+   canonical JSON (sorted keys, no spaces) so that the same contents always hash the same. A
+   flipped bit in a tensor's name is then caught like a flipped bit in its values. A schema check
+   (`check_schema`) makes well-formed JSON of the wrong shape fail with a name rather than as a
+   KeyError later. `verify` does all of it: the manifest's own hash, its schema, then every file
+   against its size and sha256. Whatever it finds wrong is a `CorruptCheckpoint`.
+"""
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+FORMAT, VERSION = "nanoscale-checkpoint", 2
+
+
+# The errors live here because the checks below raise them; checkpoint.py re-exports them.
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used; printed as one line."""
+
+
+class CorruptCheckpoint(CheckpointError):
+    """Damaged, incomplete or from another run: a reader tries the previous checkpoint."""
+
+
+# ----------------------------------------------------------------------------- bytes on disk
+
+
+def sha256_bytes(b: bytes) -> str:
+    return hashlib.sha256(b).hexdigest()
+
+
+def sha256_file(path: Path, chunk: int = 1 << 24) -> tuple[str, int]:
+    """(sha256, size) of a file, read in chunks (hashlib releases the GIL on each)."""
+    h, size, buf = hashlib.sha256(), 0, bytearray(chunk)
+    with open(path, "rb") as f:
+        while n := f.readinto(buf):
+            h.update(memoryview(buf)[:n])
+            size += n
+    return h.hexdigest(), size
+
+
+def write_durably(path: Path, payload: bytes) -> dict:
+    """Write, fsync, read back and check the hash: a file that returns is on disk as intended."""
+    return write_chunks(path, [payload])
+
+
+def write_chunks(path: Path, chunks) -> dict:
+    """write_durably for data in pieces (memoryviews of tensors): nothing is joined in memory."""
+    h, size = hashlib.sha256(), 0
+    with open(path, "wb") as f:
+        for chunk in chunks:
+            h.update(chunk)  # hashing and writing a large buffer both run without the GIL
+            f.write(chunk)
+            size += len(chunk)
+        f.flush()
+        os.fsync(f.fileno())
+    digest = h.hexdigest()
+    if sha256_file(path) != (digest, size):
+        raise CheckpointError(f"{path} does not read back as written")
+    return {"sha256": digest, "bytes": size}
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def replace_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    write_durably(tmp, text.encode())
+    os.replace(tmp, path)  # atomic on POSIX: readers see the old or the new pointer, never half
+    fsync_dir(path.parent)
+
+
+# ----------------------------------------------------------------------------- safetensors
+
+
+# The layout is at the top of this file. The dtypes this code writes and reads, by their safetensors names:
+SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64}
+
+
+def _raw(t: torch.Tensor) -> memoryview:
+    """The bytes of a CPU tensor, without a copy when it is contiguous."""
+    return memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> dict:
+    """Write CPU tensors as one safetensors file, durably; returns its sha256 and size."""
+    names = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+    header, offset = {"__metadata__": {"format": "pt", **(metadata or {})}}, 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    head = json.dumps(header).encode()
+    head += b" " * (-len(head) % 8)  # keep the data 8-byte aligned
+    pieces = (_raw(t.cpu()) for t in tensors.values())
+    return write_chunks(path, [len(head).to_bytes(8, "little") + head, *pieces])
+
+
+def _safetensors_header(raw: np.ndarray, path: Path) -> tuple[int, dict]:
+    n = int.from_bytes(raw[:8].tobytes(), "little") if raw.size >= 8 else -1
+    try:
+        if not 0 < n <= raw.size - 8:
+            raise ValueError("bad header length")
+        return n, json.loads(raw[8:8 + n].tobytes())
+    except ValueError:
+        raise CheckpointError(f"{path}: not a safetensors file (unreadable header)") from None
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """Tensors backed by a memory map of the file: nothing is read until it is used."""
+    raw = np.memmap(path, dtype=np.uint8, mode="c")  # copy-on-write: torch wants writable memory
+    n, header = _safetensors_header(raw, path)
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] not in SAFETENSORS_DTYPES:
+            raise CheckpointError(f"{path}: tensor {name} has dtype {info['dtype']}, which this code does not read")
+        a, z = info["data_offsets"]
+        buf = raw[8 + n + a:8 + n + z]
+        dtype = SAFETENSORS_DTYPES[info["dtype"]]
+        out[name] = (torch.frombuffer(buf, dtype=dtype) if z > a else torch.empty(0, dtype=dtype)).view(info["shape"])
+    return out
+
+
+def safetensors_metadata(path: Path) -> dict[str, str]:
+    raw = np.memmap(path, dtype=np.uint8, mode="r")
+    return _safetensors_header(raw, path)[1].get("__metadata__", {})
+
+
+# ----------------------------------------------------------------------------- the manifest
+
+
+def _canonical(d: dict) -> bytes:
+    return json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
+
+
+def seal(body: dict) -> dict:
+    """The manifest with the sha256 of everything else in it."""
+    return {**body, "sha256": sha256_bytes(_canonical(body))}
+
+
+def _need(ok: bool, what: str) -> None:
+    if not ok:
+        raise CorruptCheckpoint(f"manifest.json: {what}")
+
+
+def _is_int(x, lo: int = 0) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= lo
+
+
+def _is_shape(x) -> bool:
+    return isinstance(x, list) and all(_is_int(n) for n in x)
+
+
+def check_schema(m: dict) -> None:
+    """Every field a reader relies on is there and has the right type, so that well-formed JSON of
+    the wrong shape fails here, with a name, not later as a KeyError."""
+    _need(m.get("format") == FORMAT and m.get("version") == VERSION, f"not a {FORMAT} v{VERSION} manifest")
+    for key, kind in (("run", str), ("meta", dict), ("layout", dict), ("files", dict), ("tensors", list)):
+        _need(isinstance(m.get(key), kind), f"field {key!r} is missing or not a {kind.__name__}")
+    _need(_is_int(m.get("step")), "field 'step' is missing or not a non-negative integer")
+    _need(all(_is_int(m["layout"].get(k), 1) for k in ("dp", "tp", "pp")), "layout needs dp, tp, pp >= 1")
+    for name, f in m["files"].items():
+        _need(re.fullmatch(r"rank\d{5}\.safetensors", name) is not None, f"unexpected file name {name!r}")
+        _need(isinstance(f, dict) and isinstance(f.get("sha256"), str) and re.fullmatch(r"[0-9a-f]{64}", f["sha256"])
+              is not None and _is_int(f.get("bytes")), f"file {name}: needs a sha256 and a size")
+    keys = set()
+    for i, e in enumerate(m["tensors"]):
+        where = f"tensors[{i}]"
+        _need(isinstance(e, dict) and isinstance(e.get("name"), str) and isinstance(e.get("key"), str),
+              f"{where}: needs a name and a key")
+        _need(e.get("file") in m["files"], f"{where}: file {e.get('file')!r} is not in the files table")
+        _need((e["file"], e["key"]) not in keys, f"{where}: key {e['key']!r} appears twice in {e['file']}")
+        keys.add((e["file"], e["key"]))
+        _need(e.get("dtype") in {"float32", "float16", "bfloat16"}, f"{where}: dtype {e.get('dtype')!r}")
+        _need(_is_shape(e.get("local_shape")) and _is_shape(e.get("full_shape")), f"{where}: shapes")
+        s = e.get("shard")
+        _need(s is None or (isinstance(s, dict) and all(_is_int(s.get(k)) for k in ("dim", "index", "count", "groups"))
+                            and s["index"] < s["count"] and s["dim"] < len(e["local_shape"])), f"{where}: shard")
+        f = e.get("flat")
+        _need(f is None or (isinstance(f, list) and len(f) == 2 and all(_is_int(x) for x in f) and f[0] < f[1]),
+              f"{where}: flat range")
+
+
+def read_manifest(path: Path) -> dict:
+    """The manifest, after checking its own sha256 and its schema."""
+    try:
+        manifest = json.loads((path / "manifest.json").read_bytes())
+    except (OSError, ValueError) as e:
+        raise CorruptCheckpoint(f"{path}: no readable manifest.json ({e.__class__.__name__})") from None
+    if not isinstance(manifest, dict):
+        raise CorruptCheckpoint(f"{path}: manifest.json is not a JSON object")
+    if manifest.get("format") == FORMAT and manifest.get("version") != VERSION:
+        raise CorruptCheckpoint(f"{path}: written in checkpoint format v{manifest.get('version')}, this code reads "
+                                f"v{VERSION}; start a new run with --fresh")
+    body = {k: v for k, v in manifest.items() if k != "sha256"}
+    if manifest.get("sha256") != sha256_bytes(_canonical(body)):
+        raise CorruptCheckpoint(f"{path}: manifest.json does not match its own sha256 (corrupted or edited)")
+    try:
+        check_schema(manifest)
+    except CorruptCheckpoint as e:
+        raise CorruptCheckpoint(f"{path}: {e}") from None
+    return manifest
+
+
+def verify_file(path: Path, want: dict) -> None:
+    if not path.is_file():
+        raise CorruptCheckpoint(f"{path} is missing")
+    digest, size = sha256_file(path)
+    if size != want["bytes"]:
+        raise CorruptCheckpoint(f"{path} has {size} bytes, the manifest says {want['bytes']} (truncated?)")
+    if digest != want["sha256"]:
+        raise CorruptCheckpoint(f"{path} does not match its sha256 in the manifest (corrupted)")
+
+
+def verify(path: Path) -> dict:
+    """Check the manifest, then every file against its size and sha256; return the manifest."""
+    manifest = read_manifest(path)
+    for name, want in manifest["files"].items():
+        verify_file(path / name, want)
+    return manifest
