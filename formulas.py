@@ -6,7 +6,8 @@
     overlap    when each gradient bucket's collective started, relative to the end of backward
     memory     ZeRO's K = 12 bytes of optimizer state per parameter, / dp under stage 1
     plan       a whole run on paper: memory, traffic and time of any layout (lesson 11)
-    peak       the FLOP/s an MFU is measured against: a table for GPUs, a measured matmul on CPU
+    peak       the FLOP/s an MFU is measured against: a table for GPUs, a measured matmul on CPU;
+               and the peak bytes a piece of work allocates, measured
 
 Nothing here changes training; train.py calls it for --comm-report and MFU, lessons 06-11 to
 check their arithmetic.
@@ -44,6 +45,26 @@ def measured_matmul_flops(n: int = 1024, seconds: float = 0.3) -> float:
         a @ b
         reps += 1
     return 2 * n**3 * reps / (time.perf_counter() - t0)
+
+
+def peak_memory(fn, device: torch.device) -> int:
+    """The most bytes the allocator held at once while fn() ran, above what it held before: CUDA's
+    peak statistics, or on a CPU the running sum of the profiler's allocation and free events."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
 
 
 # ----------------------------------------------------------------------------- measured against the papers

@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kernels import attention
+from kernels import attention, lm_head_loss
 
 
 @dataclass
@@ -150,11 +150,12 @@ class Block(nn.Module):
 
 
 class CrossEntropy(nn.Module):
-    """Mean next-token loss over every position, computed in fp32 whatever the logits' dtype.
-    (A layer, so tensor parallelism can swap in its vocab-parallel loss like any other layer.)"""
+    """The output layer and the mean next-token loss in one: logits = x W^T are made and consumed a
+    chunk of rows at a time, in fp32 whatever the matmuls' dtype, and never all at once
+    (kernels.lm_head_loss). A layer, so tensor parallelism can swap in its vocab-parallel loss."""
 
-    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return lm_head_loss(x, weight, targets)
 
 
 class GPT(nn.Module):
@@ -193,10 +194,17 @@ class GPT(nn.Module):
     def head(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.transformer.ln_f(x))  # (B, T, V_padded)
 
+    def head_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The mean loss of the head's logits against targets, without ever holding the logits."""
+        return self.loss(self.transformer.ln_f(x), self.lm_head.weight, targets)
+
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        logits = self.head(self.blocks(self.embed(idx)))
-        loss = None if targets is None else self.loss(logits, targets)
-        return logits, loss
+        """(logits, None) without targets; (None, loss) with them: training never forms the
+        (B, T, V) logits, the largest tensor of a step (see CrossEntropy)."""
+        x = self.blocks(self.embed(idx))
+        if targets is None:
+            return self.head(x), None
+        return None, self.head_loss(x, targets)
 
     def next_logits(self, tokens: torch.Tensor, start: int, caches: list[KVCache]) -> torch.Tensor:
         """Logits (B, V_padded) for the position after `tokens`, which sit at `start` onward and

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 import model as gpt
+from kernels import lm_head_loss
 
 all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
@@ -432,52 +433,29 @@ class VocabParallelEmbedding(torch.nn.Module):
         return reduce_from_tp(out, self.grid)
 
 
-class VocabParallelCrossEntropy(torch.autograd.Function):
-    """Cross-entropy over logits split by vocabulary, never gathering them (Megatron, section 3):
+class VocabParallelLoss(torch.nn.Module):
+    """The model's loss layer under tensor parallelism (model.CrossEntropy on one device). Rank r
+    holds rows [vocab_start, vocab_start + V/tp) of the output layer and computes only those logits,
+    a chunk of rows at a time (kernels.lm_head_loss). The loss never gathers them (Megatron, section 3):
 
         m   = max over all ranks of the logits          (all-reduce MAX, B*T floats)
-        z_t = the target's logit - m, from its owner     (all-reduce SUM, B*T floats)
-        S   = sum over all ranks of exp(logit - m)       (all-reduce SUM, B*T floats)
+        S   = sum over all ranks of exp(logit - m)      (all-reduce SUM of S and z_t
+        z_t = the target's logit - m, from its owner     together, 2 B*T floats)
         loss = log S - z_t;   d loss / d logits = softmax - onehot(target)
-    """
 
-    @staticmethod
-    def forward(ctx, logits, targets, grid: Grid, vocab_start: int):
-        ctx.shape, ctx.dtype = logits.shape, logits.dtype
-        logits = logits.float().flatten(0, 1)  # (N, V/tp)
-        targets = targets.flatten()  # (N,)
-        m = logits.max(dim=-1).values
-        grid.all_reduce(m, "tp", op=dist.ReduceOp.MAX)
-        shifted = logits - m.unsqueeze(1)
-        local = targets - vocab_start
-        mine = (local >= 0) & (local < logits.size(1))
-        local = local.clamp(0, logits.size(1) - 1)
-        z_t = shifted.gather(1, local.unsqueeze(1)).squeeze(1) * mine
-        grid.all_reduce(z_t, "tp")
-        exp = shifted.exp()
-        S = exp.sum(dim=-1)
-        grid.all_reduce(S, "tp")
-        ctx.save_for_backward(exp / S.unsqueeze(1), local, mine)
-        return (S.log() - z_t).mean()
-
-    @staticmethod
-    def backward(ctx, grad):
-        softmax, local, mine = ctx.saved_tensors
-        g = softmax.clone()
-        g[torch.arange(g.size(0), device=g.device), local] -= mine.float()
-        g *= grad / g.size(0)
-        return g.view(ctx.shape).to(ctx.dtype), None, None, None
-
-
-class VocabParallelLoss(torch.nn.Module):
-    """The model's loss layer under tensor parallelism (model.CrossEntropy on one device)."""
+    Its input enters the tensor-parallel region like any column-parallel layer's: f (or the
+    sequence all-gather under --sp), so the partial input gradients of the ranks are summed."""
 
     def __init__(self, grid: Grid, vocab_start: int):
         super().__init__()
         self.grid, self.vocab_start = grid, vocab_start
 
-    def forward(self, logits, targets):
-        return VocabParallelCrossEntropy.apply(logits, targets, self.grid, self.vocab_start)
+    def forward(self, x, weight, targets):
+        x = gather_from_sp(x, self.grid) if self.grid.sp else copy_to_tp(x, self.grid)
+        return lm_head_loss(x, weight, targets, self.vocab_start, self.reduce)
+
+    def reduce(self, t: torch.Tensor, op: str) -> None:
+        self.grid.all_reduce(t, "tp", op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
 
 
 class GatherVocab(torch.nn.Module):

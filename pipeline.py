@@ -125,7 +125,7 @@ class Pipeline:
                     x = model.embed(micro[i][:, :-1]) if self.first else buf.requires_grad_(train)
                     y = model.blocks(x)
                     if self.last:
-                        y = model.loss(model.head(y), micro[i][:, 1:]) / m
+                        y = model.head_loss(y, micro[i][:, 1:]) / m
                         total += y.detach()
                 if train:
                     stash[i] = (x, y)

@@ -30,6 +30,13 @@ class Precision:
     def autocast(self, device: torch.device):
         return torch.autocast(device.type, dtype=self.compute) if self.compute else nullcontext()
 
+    def cast_once(self, device: torch.device):
+        """Held open around every micro-batch of an optimizer step, so each fp32 weight is cast to the
+        compute dtype once per step rather than once per micro-batch: autocast caches the copies it
+        makes of leaf tensors until the outermost autocast context exits. This outer context is a
+        disabled one, so the backward passes between the forwards run outside autocast, as they should."""
+        return torch.autocast(device.type, enabled=False) if self.compute else nullcontext()
+
 
 PRECISIONS = {"fp32": Precision("fp32", None, torch.float32, False),
               "bf16": Precision("bf16", torch.bfloat16, torch.bfloat16, False),

@@ -65,6 +65,19 @@ def make_optimizer(model: torch.nn.Module, cfg: config.TrainConfig, device: torc
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, **fast)
 
 
+def compile_model(model: torch.nn.Module, grid: parallel.Grid, fullgraph: bool = False) -> None:
+    """torch.compile, region by region: every block, and on one tensor-parallel rank the fused loss
+    (the final LayerNorm alone is one kernel each way; torch will not compile a bare nn module). Each
+    region compiles to one graph (no breaks: tests/test_gpu.py compiles them with fullgraph=True);
+    the seams between them (pipeline sends, gradient hooks, the vocab-parallel loss's collectives)
+    stay eager, so data-parallel buckets still start during the backward."""
+    regions = list(model.transformer.h.children())
+    if grid.tp == 1 and grid.last_stage:
+        regions.append(model.loss)
+    for module in regions:
+        module.compile(fullgraph=fullgraph)
+
+
 # ----------------------------------------------------------------------------- the loop
 
 
@@ -139,9 +152,8 @@ def setup(cfg: config.TrainConfig) -> Run:
     model = parallel.build_model(model_cfg, grid, cfg.seed, device, cfg.seq_len)
     if cfg.init_from:  # before the optimizer, so ZeRO's master weights start from these values
         hf.load_hf(model, Path(cfg.init_from))
-    if cfg.compile:  # block by block: the seams between blocks (pipeline sends, hooks) stay eager
-        for block in model.transformer.h.children():
-            block.compile()
+    if cfg.compile:
+        compile_model(model, grid)
     sync = None
     if grid.dp > 1 or cfg.zero:
         sync = gradients.GradSync(model, grid, cfg.bucket_mb, overlap=not cfg.no_overlap, zero=bool(cfg.zero))
@@ -199,18 +211,24 @@ def forward_backward(run: Run, batch: torch.Tensor) -> torch.Tensor:
     """Gradient accumulation over micro-batches (or a pipeline schedule over them); returns this
     rank's mean loss over its micro-batches (0 on pipeline stages without the loss)."""
     micro = batch.split(run.cfg.micro_batch_size)  # rows of T + 1 tokens: inputs and next-token targets
-    scale = run.scaler.scale
+    with run.precision.cast_once(run.device):
+        return accumulate(run, micro, run.scaler.scale)
+
+
+def accumulate(run: Run, micro: list[torch.Tensor], scale: float = 1.0) -> torch.Tensor:
+    """The mean loss of the micro-batches, and under grad mode their accumulated gradients."""
+    train = torch.is_grad_enabled()
     if run.pipe:  # it says which backward is the last (Pipeline.grad_sync)
-        total = run.pipe.run(micro, run.autocast, scale=scale)
-    else:
-        total = torch.zeros((), device=run.device)
-        for i, mb in enumerate(micro):
-            if run.sync is not None:  # communicate only during the last micro-batch's backward
-                run.sync.require_backward_grad_sync = i == len(micro) - 1
-            with run.autocast:
-                _, loss = run.model(mb[:, :-1], mb[:, 1:])
+        return run.pipe.run(micro, run.autocast, train=train, scale=scale)
+    total = torch.zeros((), device=run.device)
+    for i, mb in enumerate(micro):
+        if run.sync is not None:  # communicate only during the last micro-batch's backward
+            run.sync.require_backward_grad_sync = i == len(micro) - 1
+        with run.autocast:
+            _, loss = run.model(mb[:, :-1], mb[:, 1:])
+        if train:
             (loss * (scale / len(micro))).backward()
-            total += loss.detach() / len(micro)
+        total += loss.detach().float() / len(micro)
     return total
 
 
@@ -252,17 +270,9 @@ def evaluate(run: Run) -> float:
     """The mean loss over the validation batches, in training-sized micro-batches (no new shapes
     for a compiled model, no more memory than training)."""
     run.model.eval()
-    losses = []
-    for batch in run.val:
-        micro = batch.to(run.device).split(run.cfg.micro_batch_size)
-        if run.pipe:
-            loss = run.pipe.run(micro, run.autocast, train=False)
-        else:
-            loss = torch.zeros((), device=run.device)
-            for mb in micro:
-                with run.autocast:
-                    loss += run.model(mb[:, :-1], mb[:, 1:])[1].float() / len(micro)
-        losses.append(run.grid.global_loss(loss.float()))
+    with run.precision.cast_once(run.device):  # the weights do not change: one cast for all batches
+        losses = [run.grid.global_loss(accumulate(run, batch.to(run.device).split(run.cfg.micro_batch_size)))
+                  for batch in run.val]
     run.model.train()
     return torch.stack(losses).mean().item()
 
@@ -390,6 +400,9 @@ def train(run: Run) -> dict:
                 dt = time.perf_counter() - t0
                 step_times = (step_times + [dt])[-20:]
                 row.update(tokens_per_sec=tokens_per_step / dt, mfu=flops_per_step / dt / peak)
+                if run.device.type == "cuda":  # the most this rank's step held (tests/bench.py measures CPUs)
+                    row["peak_mem_gb"] = torch.cuda.max_memory_allocated(run.device) / 1e9
+                    torch.cuda.reset_peak_memory_stats(run.device)
                 if run.scaler.enabled:
                     row["loss_scale"] = run.scaler.scale
                 if not last:  # the first step of this process: print what was asked for
@@ -419,7 +432,7 @@ def after_step(run: Run, row: dict, bar, metrics: rundir.Metrics) -> None:
     metrics.log(**row)
     bar.update(1)
     bar.set_postfix(loss=f"{row['loss']:.3f}", lr=f"{row['lr']:.1e}", tok_s=f"{row['tokens_per_sec']:.0f}",
-                    mfu=f"{row['mfu']:.1%}")
+                    mfu=f"{row['mfu']:.1%}", **({"mem": f"{row['peak_mem_gb']:.1f}G"} if "peak_mem_gb" in row else {}))
     if (cfg.ckpt_every and run.step % cfg.ckpt_every == 0) or run.step == cfg.max_steps:
         save(run)
     if crash_due(run, f"step:{run.step}"):

@@ -1,58 +1,184 @@
-"""CPU training throughput against this machine's own matmul rate (not collected by pytest).
+"""Training throughput on one device, side by side (not collected by pytest).
 
-    python tests/bench.py [--steps 8] [--preset mini] [--batch-size 8] [--seq-len 128]
+    python tests/bench.py                   # CPU: `mini`, fp32, 8 x 128 tokens a step
+    python tests/bench.py --preset small    # CPU: a bigger model
+    python tests/bench.py --device cuda     # GPU: GPT-2 124M, bf16, compiled, 32 x 1024 tokens, micro-batch 16
 
-Runs the default CPU configuration's training step (GPT-2 tokenizer's 50304-row vocabulary, fp32)
-on random tokens, measures tokens/s after a warm-up step, converts it to FLOP/s with the PaLM
-formula (model.flops_per_token), and prints it next to a 1024x1024 fp32 matmul measured in the
-same process, just before and just after. Target: the training step reaches >= 50% of the matmul.
+Two configurations are timed in alternating rounds, so both see the same machine at the same time:
+
+    ours           the model as train.py builds and runs it: the fused, chunked output layer + loss
+                   (kernels.lm_head_loss), weights cast once a step, compiled where train.py compiles
+    unfused loss   the same, with the textbook loss: the whole (B, T, V) logits, then F.cross_entropy
+
+For each: tokens/s; the training FLOP/s (PaLM's formula, model.flops_per_token) as a share of the
+peak: on a CPU the fp32 matmul rate measured in this process (targets: mini >= 50%, small >= 60%),
+on a GPU the datasheet's (MFU); the peak memory of a step; and where a step's time goes (forward,
+backward, optimizer), from extra steps with a device sync between phases (ours computes the
+loss's gradient while the logits are at hand, so its forward grows and its backward shrinks by
+as much: compare the sums). Communication is zero
+on one device; `train.py --comm-report` counts the bytes of a parallel layout. Last, the memory of
+the loss layer alone, fused against unfused, for this configuration's shapes.
 """
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import config  # noqa: E402
 import formulas  # noqa: E402
 import model as gpt  # noqa: E402
+import parallel  # noqa: E402
+import stability  # noqa: E402
 import train  # noqa: E402
+
+GPU_DEFAULTS = dict(preset="gpt2", batch_size=32, seq_len=1024, micro_batch_size=16, precision="bf16", compile=True)
+CPU_DEFAULTS = dict(preset="mini", batch_size=8, seq_len=128, micro_batch_size=8, precision="fp32", compile=False)
+
+
+class UnfusedCrossEntropy(torch.nn.Module):
+    """The loss layer as most trainers write it: every logit at once, upcast to fp32."""
+
+    def forward(self, x, weight, targets):
+        return F.cross_entropy(F.linear(x, weight).float().flatten(0, 1), targets.flatten())
+
+
+class Bench:
+    """One configuration: its model, optimizer and a fixed batch of random tokens."""
+
+    def __init__(self, args, device: torch.device, fused: bool):
+        cfg = gpt.config_from_preset(args.preset, 50257, attn=args.attn)
+        self.cfg, self.device, self.precision = cfg, device, stability.PRECISIONS[args.precision]
+        self.model = gpt.build(cfg, seed=0, device=device)
+        if not fused:
+            self.model.loss = UnfusedCrossEntropy()
+        if args.compile:
+            train.compile_model(self.model, parallel.Grid(device=device))
+        tc = config.TrainConfig(lr=1e-4, precision=args.precision)
+        self.opt = train.make_optimizer(self.model, tc, device)
+        gen = torch.Generator().manual_seed(0)
+        batch = torch.randint(0, 50257, (args.batch_size, args.seq_len + 1), generator=gen).to(device)
+        self.micro = batch.split(args.micro_batch_size)
+        self.phases = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def step(self, timed_phases: bool = False) -> None:
+        """One optimizer step as train.py takes it (gradient accumulation over the micro-batches)."""
+        mark = [time.perf_counter()]
+
+        def phase(name):
+            if timed_phases:
+                self.sync()
+                now = time.perf_counter()
+                self.phases[name] += now - mark[0]
+                mark[0] = now
+
+        with self.precision.cast_once(self.device):
+            for mb in self.micro:
+                with self.precision.autocast(self.device):
+                    _, loss = self.model(mb[:, :-1], mb[:, 1:])
+                phase("forward")
+                (loss / len(self.micro)).backward()
+                phase("backward")
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        phase("optimizer")
+
+    def tokens_per_second(self, steps: int) -> float:
+        self.sync()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            self.step()
+        self.sync()
+        return sum(m.numel() - m.size(0) for m in self.micro) * steps / (time.perf_counter() - t0)
+
+
+def loss_layer_memory(args, device: torch.device) -> dict[str, int]:
+    """Peak bytes of the loss layer's forward + backward at one micro-batch, fused and unfused."""
+    cfg = gpt.config_from_preset(args.preset, 50257)
+    x = torch.randn(args.micro_batch_size, args.seq_len, cfg.n_embd, device=device, requires_grad=True)
+    w = (torch.randn(cfg.padded_vocab, cfg.n_embd, device=device) * 0.02).requires_grad_()
+    targets = torch.randint(0, 50257, (args.micro_batch_size, args.seq_len), device=device)
+    precision = stability.PRECISIONS[args.precision]
+
+    def forward_backward(layer):
+        def run():
+            with precision.autocast(device):
+                loss = layer(x, w, targets)
+            loss.backward()
+            x.grad = w.grad = None
+        return run
+    return {name: formulas.peak_memory(forward_backward(layer), device)
+            for name, layer in (("fused", gpt.CrossEntropy()), ("unfused", UnfusedCrossEntropy()))}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--steps", type=int, default=8, help="timed optimizer steps")
-    p.add_argument("--preset", default="mini", help="model preset")
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per step")
-    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where to run")
+    p.add_argument("--preset", help="model preset (default: gpt2 on cuda, mini on cpu)")
+    p.add_argument("--batch-size", type=int, help="sequences per optimizer step (default: 32 on cuda, 8 on cpu)")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (default: 1024 on cuda, 128 on cpu)")
+    p.add_argument("--micro-batch-size", type=int, help="sequences per forward (default: 16 on cuda, 8 on cpu)")
+    p.add_argument("--precision", choices=list(stability.PRECISIONS), help="default: bf16 on cuda, fp32 on cpu")
+    p.add_argument("--attn", default="auto", help="attention backend (kernels.BACKENDS)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, help="default: on for cuda, off for cpu")
+    p.add_argument("--steps", type=int, default=4, help="optimizer steps per timed round")
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds per configuration (median reported)")
     args = p.parse_args()
-    cfg = gpt.config_from_preset(args.preset, 50257)
-    m = gpt.build(cfg, seed=0)
-    opt = train.make_optimizer(m, config.TrainConfig(), torch.device("cpu"))
-    x = torch.randint(0, 50257, (args.batch_size, args.seq_len + 1))
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("--device cuda: this machine has no CUDA GPU (run without --device for the CPU benchmark)")
+    for key, value in (GPU_DEFAULTS if args.device == "cuda" else CPU_DEFAULTS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    device = torch.device(args.device)
+    head_dim = gpt.config_from_preset(args.preset, 50257).head_dim  # 'auto' resolved as train.py does it
+    args.attn = config.resolve_attention(config.TrainConfig(attn=args.attn, precision=args.precision), device, head_dim)
+    benches = {"ours": Bench(args, device, fused=True), "unfused loss": Bench(args, device, fused=False)}
+    peak_before = formulas.peak_flops(device, args.precision)
+    rates = {name: [] for name in benches}
+    for b in benches.values():
+        b.step()  # warm-up: compilation, allocations, first-call overheads
+        b.step()
+    for _ in range(args.rounds):
+        for name, b in benches.items():
+            rates[name].append(b.tokens_per_second(args.steps))
+    peak = max(peak_before, formulas.peak_flops(device, args.precision))
+    print(report(args, device, benches, rates, peak))
 
-    def step():
-        _, loss = m(x[:, :-1], x[:, 1:])
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
 
-    peak_before = formulas.measured_matmul_flops(seconds=1.0)
-    step()  # warm-up: allocations, first-call overheads
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        step()
-    dt = (time.perf_counter() - t0) / args.steps
-    peak = max(peak_before, formulas.measured_matmul_flops(seconds=1.0))
-    tokens = args.batch_size * args.seq_len
-    achieved = gpt.flops_per_token(cfg, args.seq_len) * tokens / dt
-    print(f"{args.preset}: {tokens / dt:,.0f} tokens/s, {achieved / 1e9:.1f} GFLOP/s of training math")
-    print(f"fp32 matmul on this machine: {peak / 1e9:.1f} GFLOP/s ({torch.get_num_threads()} threads)")
-    print(f"ratio: {achieved / peak:.1%} (target >= 50%)")
+def report(args, device, benches, rates, peak) -> str:
+    flops_per_token = gpt.flops_per_token(next(iter(benches.values())).cfg, args.seq_len)
+    share = "MFU" if device.type == "cuda" else "% of matmul"
+    lines = [f"{args.preset} on {device.type}: {args.precision}, {args.batch_size} x {args.seq_len} tokens a step "
+             f"(micro-batch {args.micro_batch_size}), attention {args.attn}, compile {'on' if args.compile else 'off'}",
+             f"peak: {peak / 1e12:.3f} TFLOP/s ({'datasheet' if device.type == 'cuda' else 'fp32 matmul, measured'})",
+             f"{'configuration':<15}{'tokens/s':>10}{'TFLOP/s':>9}{share:>12}{'peak MB':>9}"
+             f"{'fwd ms':>8}{'bwd ms':>8}{'opt ms':>8}"]
+    summary = {}
+    for name, b in benches.items():
+        tps = statistics.median(rates[name])
+        mem = formulas.peak_memory(b.step, device)
+        for _ in range(args.steps):
+            b.step(timed_phases=True)
+        ms = {k: v / args.steps * 1e3 for k, v in b.phases.items()}
+        summary[name] = tps, mem
+        lines.append(f"{name:<15}{tps:>10,.0f}{tps * flops_per_token / 1e12:>9.3f}{tps * flops_per_token / peak:>12.1%}"
+                     f"{mem / 2**20:>9,.0f}{ms['forward']:>8.1f}{ms['backward']:>8.1f}{ms['optimizer']:>8.1f}")
+    (ours, ours_mem), (base, base_mem) = summary["ours"], summary["unfused loss"]
+    lines.append(f"ours / unfused loss: {ours / base:.2f}x tokens/s, {ours_mem / base_mem:.2f}x peak memory of a step")
+    loss = loss_layer_memory(args, device)
+    lines.append(f"loss layer alone, forward + backward of one micro-batch: fused {loss['fused'] / 2**20:,.0f} MB, "
+                 f"unfused {loss['unfused'] / 2**20:,.0f} MB ({loss['unfused'] / loss['fused']:.1f}x less)")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ dry-run on a CPU in the interpreter (fp16 or fp32 there; the interpreter's bf16 
         test_gpu.check_kernel('cpu', 'float16', 16, [1, 17, 100])"
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -109,11 +110,14 @@ def test_kernel_matches_float64_like_sdpa_and_is_deterministic():
 
 
 def check_compiled_model(device: str, dtype: str = "bfloat16", tol: float = 3e-2) -> None:
-    """A small GPT-2 with attn="triton" (head dim 64), every block compiled with fullgraph=True (a graph break
-    is an error), one forward and backward under autocast: the same loss and gradients as eager, within
-    `tol` (relative norm); and the attention function alone compiles as one graph too."""
+    """A small GPT-2 with attn="triton" (head dim 64), compiled as train.py does (every block, the fused
+    loss) with fullgraph=True (a graph break is an error), one forward and backward under autocast: the
+    same loss and gradients as eager, within `tol` (relative norm); and the attention function alone
+    compiles as one graph too."""
     from functools import partial
 
+    import parallel
+    import train
     from model import GPTConfig, build
 
     kernels = compiled_kernels(device)
@@ -125,8 +129,7 @@ def check_compiled_model(device: str, dtype: str = "bfloat16", tol: float = 3e-2
     def loss_and_grads(compile_blocks: bool):
         model = build(cfg, seed=0, device=device)  # the same weights each time: init by (seed, name)
         if compile_blocks:
-            for block in model.transformer.h:
-                block.compile(fullgraph=True)
+            train.compile_model(model, parallel.Grid(device=torch.device(device)), fullgraph=True)
         with autocast:
             _, loss = model(x, y)
         loss.backward()
@@ -234,6 +237,9 @@ def test_the_default_run_trains_on_this_gpu(gpu_corpus, tmp_path):
     run = losses(tmp_path / "run")
     assert run[30] < run[1] - 1.0, f"the loss did not fall: step 1 {run[1]:.3f}, step 30 {run[30]:.3f}"
     assert "bf16, attention triton, compile on" in result.stdout, result.stdout[-2000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    peaks = [r["peak_mem_gb"] for r in rows if "peak_mem_gb" in r]
+    assert len(peaks) == 30 and 0 < max(peaks) < torch.cuda.get_device_properties(0).total_memory / 1e9
 
 
 # The issue's reproduction: gpt2 with micro-batches, checkpoints every 8 steps, SIGKILL after step 13, resume.

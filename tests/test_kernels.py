@@ -263,3 +263,17 @@ def test_benchmark_explains_that_it_needs_a_gpu():
     result = subprocess.run([sys.executable, str(ROOT / "tests" / "bench_attention.py")],
                             capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 1 and "needs a CUDA GPU" in result.stdout, result.stderr
+
+
+def test_the_tuner_times_candidates_and_picks_the_fastest():
+    """tests/tune_attention.py's timing half, in the interpreter on tiny shapes: every candidate gets a
+    score and the winner is the one with the least time (the GPU only changes what the times are)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import tune_attention
+
+    shipped = kernels.INTERPRETER_LAUNCH
+    for kind, cands in (("fwd", [(32, 16, 4, 1), (16, 16, 4, 1)]), ("bwd", [(16, 32, 4, 1), (16, 16, 4, 1)])):
+        best, scores = tune_attention.tune(kind, cands, shipped, [(1, 1, 40, 16)], torch.float32,
+                                           torch.device("cpu"), reps=1)
+        assert set(scores) == set(cands) and all(s > 0 for s in scores.values())
+        assert best == min(scores, key=scores.get)

@@ -91,3 +91,43 @@ def test_flops_per_token_matches_the_palm_formula():
     cfg = gpt.config_from_preset("gpt2", 50257)
     N = 12 * 12 * 768 * 768 + 50304 * 768
     assert gpt.flops_per_token(cfg, 1024) == 6 * N + 12 * 12 * 12 * 64 * 1024
+
+
+def test_fused_loss_equals_cross_entropy_and_never_holds_the_logits(monkeypatch):
+    import torch.nn.functional as F
+
+    import formulas
+    import kernels
+    torch.manual_seed(0)
+    N, C, V = 1000, 32, 4096
+    x = torch.randn(N, C, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(V, C, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, V, (N,))
+    monkeypatch.setattr(kernels, "LOSS_CHUNK_BYTES", 4 * V * 128)  # 8 chunks of 128 rows, the last short
+    (kernels.lm_head_loss(x, w, targets) * 3).backward()
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    (F.cross_entropy(x2 @ w2.t(), targets) * 3).backward()
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(w.grad, w2.grad, rtol=1e-12, atol=1e-15)
+
+    # memory of the loss and its backward, fp32: one chunk of logits + dW, against ~3 copies of all logits
+    x, w = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    cpu = torch.device("cpu")
+    fused = formulas.peak_memory(lambda: kernels.lm_head_loss(x, w, targets).backward(), cpu)
+    unfused = formulas.peak_memory(lambda: F.cross_entropy(x @ w.t(), targets).backward(), cpu)
+    logits = N * V * 4
+    assert unfused >= 2 * logits and fused <= logits / 4 and unfused >= 4 * fused, (fused, unfused, logits)
+
+
+def test_fused_loss_compiles_to_one_graph_that_matches_eager():
+    """torch.compile(fullgraph=True) of the loss layer: a graph break is an error; same loss and gradients."""
+    torch.manual_seed(0)
+    x, w, targets = torch.randn(2, 40, 32), torch.randn(384, 32), torch.randint(0, 384, (2, 40))
+    results = []
+    for layer in (gpt.CrossEntropy(), torch.compile(gpt.CrossEntropy(), fullgraph=True)):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        loss = layer(xi, wi, targets)
+        loss.backward()
+        results.append((loss, xi.grad, wi.grad))
+    for got, want in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+import kernels
 import model as gpt
 import parallel
 
@@ -99,16 +100,18 @@ def check_embedding_and_loss(grid):
     emb(idx).backward(g)
     torch.testing.assert_close(emb.weight.grad, parallel.take_shard(dense.weight.grad, emb.weight.shard))
 
-    logits = torch.randn(B, T, V, requires_grad=True)
-    local = parallel.take_shard(logits.detach(), {"dim": 2, "index": grid.tp_rank, "count": grid.tp, "groups": 1})
-    local.requires_grad_()
-    loss = parallel.VocabParallelLoss(grid, emb.vocab_start)(local, targets)
-    want = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    # the loss: the head's weight is the embedding's, the input replicated; chunks of 5 rows (of 16)
+    kernels.LOSS_CHUNK_BYTES = 5 * 4 * V // grid.tp
+    x = torch.randn(B, T, C, requires_grad=True)
+    x_local = x.detach().clone().requires_grad_()
+    loss = parallel.VocabParallelLoss(grid, emb.vocab_start)(x_local, emb.weight, targets)
+    want = F.cross_entropy((x @ dense.weight.t()).flatten(0, 1), targets.flatten())
     torch.testing.assert_close(loss, want)
+    emb.weight.grad = dense.weight.grad = None
     (loss * 3).backward()
     (want * 3).backward()
-    torch.testing.assert_close(local.grad, parallel.take_shard(logits.grad, {"dim": 2, "index": grid.tp_rank,
-                                                                          "count": grid.tp, "groups": 1}))
+    torch.testing.assert_close(x_local.grad, x.grad)  # the ranks' partial sums, all-reduced by f
+    torch.testing.assert_close(emb.weight.grad, parallel.take_shard(dense.weight.grad, emb.weight.shard))
 
 
 @pytest.mark.parametrize("kind,groups,sp", [("column", 1, False), ("column", 3, False), ("column", 3, True),

@@ -216,3 +216,42 @@ def test_compiled_blocks_train_like_eager(corpus, tmp_path):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
         assert ("val_loss" in b) == ("val_loss" in a)
         assert b.get("val_loss", 0.0) == pytest.approx(a.get("val_loss", 0.0), rel=1e-5)
+
+
+class StepOnly:
+    """What train.forward_backward reads from a Run, for a model on one CPU process."""
+
+    def __init__(self, model, precision: str, micro_batch_size: int):
+        self.model, self.precision, self.device = model, stability.PRECISIONS[precision], torch.device("cpu")
+        self.cfg = config.TrainConfig(micro_batch_size=micro_batch_size)
+        self.scaler, self.pipe, self.sync = stability.LossScaler(False), None, None
+
+    @property
+    def autocast(self):
+        return self.precision.autocast(self.device)
+
+
+def test_bf16_casts_each_weight_once_per_step_whatever_the_micro_batches():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import model as gpt
+
+    class CountWeightCasts(TorchDispatchMode):
+        def __init__(self, params):
+            super().__init__()
+            self.ptrs, self.casts = {p.data_ptr() for p in params}, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._to_copy.default and args[0].data_ptr() in self.ptrs:
+                self.casts += 1
+            return func(*args, **(kwargs or {}))
+
+    batch = torch.randint(0, 257, (8, 33))
+    casts = {}
+    for micro in (8, 2):
+        m = gpt.build(gpt.config_from_preset("tiny", 257), seed=0)
+        with CountWeightCasts(m.parameters()) as count:
+            train.forward_backward(StepOnly(m, "bf16", micro), batch)
+        casts[micro] = count.casts
+    per_block = 4 * 2  # the weights and biases of the four linear layers
+    assert casts == {8: 4 * per_block + 1, 2: 4 * per_block + 1}  # + the tied embedding, as the output layer
