@@ -49,8 +49,11 @@ class TrainConfig:
     dropout: float = arg(0.0, "dropout probability", (lambda v: 0 <= v < 1, "must be in [0, 1)"))
     attn: str = arg("auto", "attention backend (auto: our Triton kernel on CUDA where it applies, SDPA "
                     "elsewhere)", choices=list(kernels.BACKENDS))
-    compile: bool | None = arg(None, "torch.compile each transformer block (default: on with CUDA, off on "
-                               "CPU, where compiling costs more than it saves at these sizes)")
+    recompute: str = arg("none", "activation recomputation: keep only each block's input and recompute the "
+                         "block in the backward (full), or recompute only the attention core (selective)",
+                         choices=["none", "selective", "full"])
+    compile: bool | None = arg(None, "torch.compile each transformer block and the fused loss (default: on "
+                               "with CUDA, off on CPU, where compiling costs more than it saves at these sizes)")
     # optimization
     max_steps: int = arg(0, "optimizer steps (0: on CUDA, two epochs of the training data, at most 5000; "
                          "on CPU 200, about 5 minutes)", at_least(0))
@@ -207,9 +210,10 @@ def check_batch(cfg: TrainConfig, grid: parallel.Grid) -> int:
 def model_config(cfg: TrainConfig, tok: tokenizer.Tokenizer) -> gpt.GPTConfig:
     """The architecture: a preset, or the config.json of the Hugging Face model to start from."""
     if not cfg.init_from:
-        return gpt.config_from_preset(cfg.preset, tok.vocab_size, dropout=cfg.dropout, attn=cfg.attn)
+        return gpt.config_from_preset(cfg.preset, tok.vocab_size, dropout=cfg.dropout, attn=cfg.attn,
+                                      recompute=cfg.recompute)
     arch = hf.hf_config(Path(cfg.init_from))
     if arch["vocab_size"] != tok.vocab_size:
         raise ConfigError(f"{cfg.init_from} has a vocabulary of {arch['vocab_size']} tokens but the {tok.name} "
                           f"tokenizer has {tok.vocab_size}; use the tokenizer the model was trained with")
-    return gpt.GPTConfig(**arch, dropout=cfg.dropout, attn=cfg.attn)
+    return gpt.GPTConfig(**arch, dropout=cfg.dropout, attn=cfg.attn, recompute=cfg.recompute)

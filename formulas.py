@@ -75,18 +75,22 @@ def expected_traffic(cfg: gpt.GPTConfig, grid: Grid, micro_batch: int, n_micro: 
     """Bytes this rank's collectives should move in one fp32 training step, by (op, group), from
     the formulas: Megatron's 2 all-reduces forward + 2 backward per layer of B*T*C activations
     (all-gather + reduce-scatter of the same volume under --sp), one activation send per
-    micro-batch each way between pipeline stages, and the data-parallel gradient volume."""
+    micro-batch each way between pipeline stages, and the data-parallel gradient volume. Under
+    --recompute full the backward runs each block's forward again, collectives included (Megatron's
+    full recomputation costs 2 more all-reduces per layer); the selective kind recomputes only the
+    attention core, which communicates nothing."""
     e, sp = defaultdict(int), grid.sp
     first, last = grid.first_stage, grid.last_stage
     layers = len(stage_layers(cfg.n_layer, grid.pp, grid.pp_rank))
     btc, bt = micro_batch * seq_len * cfg.n_embd * 4, micro_batch * seq_len * 4
     if grid.tp > 1:
         per_micro = defaultdict(int)
+        again = 2 * layers * btc if cfg.recompute == "full" else 0  # the backward re-runs the forward's pairs
         if sp:
-            per_micro[("all_gather", "tp")] += 4 * layers * btc + (btc if first else 0) + (btc if last else 0)
-            per_micro[("reduce_scatter", "tp")] += 4 * layers * btc + (btc if last else 0)
+            per_micro[("all_gather", "tp")] += 4 * layers * btc + again + (btc if first else 0) + (btc if last else 0)
+            per_micro[("reduce_scatter", "tp")] += 4 * layers * btc + again + (btc if last else 0)
         else:
-            per_micro[("all_reduce", "tp")] += 4 * layers * btc + (btc if last else 0)
+            per_micro[("all_reduce", "tp")] += 4 * layers * btc + again + (btc if last else 0)
         per_micro[("all_reduce", "tp")] += (btc if first else 0) + (3 * bt if last else 0)
         for k, v in per_micro.items():
             e[k] += n_micro * v

@@ -30,6 +30,7 @@ Three things here exist for the rest of the codebase:
 import hashlib
 import math
 from dataclasses import asdict, dataclass, fields
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -47,6 +48,7 @@ class GPTConfig:
     vocab_size: int = 50257  # real tokens; the embedding holds padded_vocab rows
     dropout: float = 0.0
     attn: str = "auto"  # attention backend, see kernels.py; not part of the architecture
+    recompute: str = "none"  # "selective" (the attention core) or "full" (each block); see Recompute
 
     @property
     def padded_vocab(self) -> int:
@@ -58,7 +60,7 @@ class GPTConfig:
 
     def architecture(self) -> dict:
         """The fields that decide parameter shapes (what a checkpoint must agree on)."""
-        return {k: v for k, v in asdict(self).items() if k not in ("dropout", "attn")}
+        return {k: v for k, v in asdict(self).items() if k not in ("dropout", "attn", "recompute")}
 
 
 # (n_layer, n_head, n_embd, block_size). The four GPT-2 sizes, then small ones for CPUs.
@@ -91,6 +93,46 @@ def config_from_preset(name: str, vocab_size: int, **overrides) -> GPTConfig:
 # ----------------------------------------------------------------------------- the layers
 
 
+class Recompute(torch.autograd.Function):
+    """Activation recomputation (Chen et al. 2016; Korthikanti et al. 2022 for the selective kind):
+    run fn without keeping what its backward would need, keep only its inputs, and in the backward
+    run fn again, this time recording, and back-propagate through that copy. Memory: fn's inputs
+    instead of all its intermediate activations. Cost: one more forward of fn.
+
+    The second forward must compute exactly what the first did: the same dropout masks (the random
+    state from before the first run is restored for the second, then put back), and the same dtypes
+    (autocast is on in the forward, off in the backward, so its state is recorded and re-entered)."""
+
+    @staticmethod
+    def forward(ctx, fn, *inputs):
+        device = inputs[0].device
+        ctx.fn, ctx.device = fn, device
+        ctx.autocast = torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)
+        ctx.rng = torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        ctx.save_for_backward(*inputs)
+        with torch.no_grad():
+            return fn(*inputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        inputs = [x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors]
+        cuda = [ctx.device] if ctx.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda), torch.enable_grad(), \
+                torch.autocast(ctx.device.type, dtype=ctx.autocast[1], enabled=ctx.autocast[0]):
+            torch.set_rng_state(ctx.rng[0])
+            if cuda:
+                torch.cuda.set_rng_state(ctx.rng[1], ctx.device)
+            outputs = ctx.fn(*inputs)
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        torch.autograd.backward(outputs, grads)  # parameters' gradients accumulate (and their hooks fire) here
+        return (None, *(x.grad for x in inputs))
+
+
+def recompute(fn, *inputs: torch.Tensor):
+    """fn(*inputs), its activations recomputed in the backward (when gradients are being recorded)."""
+    return Recompute.apply(fn, *inputs) if torch.is_grad_enabled() else fn(*inputs)
+
+
 class KVCache:
     """Keys and values of the tokens seen so far, so sampling costs O(T) per token, not O(T^2)."""
 
@@ -109,6 +151,7 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.head_dim = cfg.head_dim
         self.backend = cfg.attn
+        self.recompute_core = cfg.recompute == "selective"
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)  # q, k, v for all heads at once
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.resid_dropout = nn.Dropout(cfg.dropout)
@@ -120,7 +163,10 @@ class CausalSelfAttention(nn.Module):
         q, k, v = qkv.view(B, T, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4)  # (B, H, T, D) each
         if cache is not None:
             k, v = cache.append(k, v)  # (B, H, T_past + T, D)
-        y = attention(q, k, v, self.backend)  # (B, H, T, D)
+        if self.recompute_core and cache is None:  # keep q, k, v; the softmax and its inputs are rebuilt
+            y = recompute(partial(attention, backend=self.backend), q, k, v)
+        else:
+            y = attention(q, k, v, self.backend)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, H * D)
         return self.resid_dropout(self.c_proj(y))
 
@@ -188,7 +234,10 @@ class GPT(nn.Module):
     def blocks(self, x: torch.Tensor, caches: list[KVCache] | None = None) -> torch.Tensor:
         # children() rather than indexing: a pipeline stage keeps only some blocks
         for i, block in enumerate(self.transformer.h.children()):
-            x = block(x, caches[i] if caches else None)
+            if self.config.recompute == "full" and not caches:  # keep only each block's input
+                x = recompute(block, x)
+            else:
+                x = block(x, caches[i] if caches else None)
         return x
 
     def head(self, x: torch.Tensor) -> torch.Tensor:

@@ -320,7 +320,7 @@ def checkpoint_meta(run: Run) -> dict:
 SCHEDULE = ("lr", "min_lr", "warmup_steps", "max_steps")
 UPDATE = ("weight_decay", "clip", "dropout", "loss_scale_window", "max_bad_steps", "spike_z", "spike_window")
 LAYOUT = ("tp", "pp", "sp", "zero", "micro_batch_size", "pp_schedule")
-KERNELS = ("attn", "compile", "device")
+KERNELS = ("attn", "compile", "device", "recompute")
 
 
 def resume_changes(run: Run, saved: dict, saved_layout: dict) -> list[str]:

@@ -131,3 +131,28 @@ def test_fused_loss_compiles_to_one_graph_that_matches_eager():
         results.append((loss, xi.grad, wi.grad))
     for got, want in zip(*results, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_recomputation_trains_bitwise_like_storing_with_the_same_dropout():
+    """--recompute selective / full, with dropout: the recomputed forward draws the same masks (the random
+    state is restored for it, then put back), so losses, weights and the random stream afterwards are
+    bitwise those of the run that stores its activations."""
+    x = torch.randint(0, 257, (4, 33))
+    runs = {}
+    for mode in ("none", "selective", "full"):
+        torch.manual_seed(0)
+        m = gpt.build(tiny(dropout=0.1, recompute=mode), seed=0)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        losses = []
+        for _ in range(3):
+            _, loss = m(x[:, :-1], x[:, 1:])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        runs[mode] = losses, torch.rand(4), [p.detach() for p in m.parameters()]
+    ref_losses, ref_after, ref_weights = runs["none"]
+    for mode in ("selective", "full"):
+        losses, after, weights = runs[mode]
+        assert losses == ref_losses and torch.equal(after, ref_after), mode
+        assert all(torch.equal(a, b) for a, b in zip(weights, ref_weights, strict=True)), mode

@@ -56,6 +56,10 @@ LAYOUTS = {
     "pp4-1f1b": (4, ["--pp", "4", "--micro-batch-size", "1"]),
     "pp4-gpipe": (4, ["--pp", "4", "--pp-schedule", "gpipe", "--micro-batch-size", "2"]),
     "tp2xpp2": (4, ["--tp", "2", "--pp", "2", "--micro-batch-size", "2"]),
+    "tp2xpp2-recompute-selective": (4, ["--tp", "2", "--pp", "2", "--micro-batch-size", "2",
+                                        "--recompute", "selective"]),
+    "tp2xpp2-sp-recompute-full": (4, ["--tp", "2", "--pp", "2", "--sp", "--micro-batch-size", "2",
+                                      "--recompute", "full"]),
     "3d-2x2x2-sp-zero1": (8, ["--tp", "2", "--pp", "2", "--sp", "--zero", "1", "--micro-batch-size", "1"]),
 }
 
