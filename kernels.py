@@ -335,14 +335,16 @@ def flash_forward(q, k, v, cfg: Launch):
     return o, lse
 
 
-def flash_backward(q, k, v, o, lse, do, cfg: Launch):
-    """Returns dq, dk, dv. Three launches, each output written by exactly one program: deterministic."""
+def flash_backward(q, k, v, o, lse, do, cfg: Launch, out=None):
+    """Returns dq, dk, dv (written into `out`, three views with one set of strides, when given). Three
+    launches, each output written by exactly one program: deterministic."""
     B, H, T, D = q.shape
     assert cfg.big % cfg.small == 0, "the diagonal stage must end on a block boundary"
     delta = torch.empty_like(lse)  # (B, H, T)
     grid = _grid(T, cfg.big, B * H)
     _attn_bwd_delta[grid](o, do, delta, *_bht(o), *_bht(do), H, T, HEAD_DIM=D, BLOCK_M=cfg.big)
-    dq, dk, dv = _empty_bhtd(q), _empty_bhtd(q), _empty_bhtd(q)  # same strides: one set passed for all three
+    dq, dk, dv = out or (_empty_bhtd(q), _empty_bhtd(q), _empty_bhtd(q))  # same strides: one set for all three
+    assert dq.stride() == dk.stride() == dv.stride()
     strides = (*_bht(q), *_bht(k), *_bht(v), *_bht(do), *_bht(dq), H, T, 1 / math.sqrt(D))
     launch = dict(HEAD_DIM=D, num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages)
     # dK, dV: a program per `big` keys, walking `small` query blocks; dQ: the mirror image
@@ -464,6 +466,60 @@ def _backward(ctx, do, _dlse):
 flash_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+# The model's projection makes q, k and v as one tensor, (B, T, 3, H, D). Unpacked into three views
+# (unbind) for the ops above, their gradients must be stacked back into one tensor and copied again
+# into the projection's layout: two copies per layer. These two ops take the packed tensor and the
+# backward writes dq, dk, dv straight into one (B, T, 3, H, D) gradient: no copy at all.
+
+
+def unpack_qkv(qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(B, T, 3, H, D) -> q, k, v, each a (B, H, T, D) view."""
+    if qkv.dim() != 5 or qkv.size(2) != 3:
+        raise ValueError(f"packed attention takes qkv of shape (B, T, 3, H, D), got {tuple(qkv.shape)}")
+    return qkv.permute(2, 0, 3, 1, 4).unbind(0)
+
+
+@torch.library.custom_op("nanoscale::flash_attn_qkv_fwd", mutates_args=())
+def flash_attn_qkv_fwd(qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """flash_attn_fwd of the packed q, k, v."""
+    return flash_attn_fwd(*unpack_qkv(_unit_last(qkv)))
+
+
+@flash_attn_qkv_fwd.register_fake
+def _flash_attn_qkv_fwd_fake(qkv):
+    q, _, _ = unpack_qkv(qkv)
+    return _empty_bhtd(q), _empty_lse(q)
+
+
+@torch.library.custom_op("nanoscale::flash_attn_qkv_bwd", mutates_args=())
+def flash_attn_qkv_bwd(qkv: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
+    """The gradient of flash_attn_qkv_fwd's o with respect to qkv, in qkv's (B, T, 3, H, D) layout."""
+    qkv, o, do = _unit_last(qkv), _unit_last(o), _unit_last(do)
+    dqkv = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)  # contiguous
+    with _on_device(qkv):
+        flash_backward(*unpack_qkv(qkv), o, lse.contiguous(), do, launch_config(qkv.size(-1), qkv.dtype),
+                       out=unpack_qkv(dqkv))
+    return dqkv
+
+
+@flash_attn_qkv_bwd.register_fake
+def _flash_attn_qkv_bwd_fake(qkv, o, lse, do):
+    return torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
+
+
+def _setup_context_qkv(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], *output)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _backward_qkv(ctx, do, _dlse):
+    qkv, o, lse = ctx.saved_tensors
+    return flash_attn_qkv_bwd(qkv, o, lse, do)
+
+
+flash_attn_qkv_fwd.register_autograd(_backward_qkv, setup_context=_setup_context_qkv)
+
+
 # ----------------------------------------------------------------------------- choosing a backend
 
 
@@ -473,6 +529,17 @@ def attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
         return attention_sdpa(q, k, v)
     o, _ = flash_attn_fwd(q, k, v)  # raises with triton_problem's answer where the kernel cannot run
     return o
+
+
+def attention_packed(qkv: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    """attention(q, k, v, backend) of the packed qkv (B, T, 3, H, D); our kernel takes it whole, so its
+    gradient needs no stacking (flash_attn_qkv_fwd), the others get the three views."""
+    if backend == "auto":
+        backend = resolve_backend(qkv.device, qkv.dtype, qkv.size(-1))
+    if backend == "triton":
+        o, _ = flash_attn_qkv_fwd(qkv)
+        return o
+    return attention(*unpack_qkv(qkv), backend)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = "auto") -> torch.Tensor:

@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kernels import attention, lm_head_loss
+from kernels import attention, attention_packed, lm_head_loss, unpack_qkv
 
 
 @dataclass
@@ -159,14 +159,15 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         qkv = self.c_attn(x)  # (B, T, 3 * H * D); under tensor parallelism H is this rank's heads
         B, T, _ = qkv.shape
-        # views, not copies: the attention kernel takes strided inputs
-        q, k, v = qkv.view(B, T, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4)  # (B, H, T, D) each
+        qkv = qkv.view(B, T, 3, -1, self.head_dim)  # a view, not a copy; our kernel takes it whole
         if cache is not None:
+            q, k, v = unpack_qkv(qkv)  # (B, H, T, D) views
             k, v = cache.append(k, v)  # (B, H, T_past + T, D)
-        if self.recompute_core and cache is None:  # keep q, k, v; the softmax and its inputs are rebuilt
-            y = recompute(partial(attention, backend=self.backend), q, k, v)
+            y = attention(q, k, v, self.backend)
+        elif self.recompute_core:  # keep qkv; the softmax and what it needs are rebuilt in the backward
+            y = recompute(partial(attention_packed, backend=self.backend), qkv)
         else:
-            y = attention(q, k, v, self.backend)  # (B, H, T, D)
+            y = attention_packed(qkv, self.backend)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, H * D)
         return self.resid_dropout(self.c_proj(y))
 

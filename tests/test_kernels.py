@@ -208,6 +208,37 @@ def test_custom_ops_pass_opcheck():
     torch.library.opcheck(kernels.flash_attn_bwd, [x.detach() for x in (q, k, v, o, lse, do)])
 
 
+def test_packed_qkv_ops_write_the_gradient_in_place_and_match_the_unpacked_ones():
+    """attention_packed(qkv) (the model's call) equals attention(q, k, v) of the three views, output and
+    gradient, and its backward stacks and concatenates nothing: dq, dk, dv land in one (B, T, 3, H, D)
+    tensor, the projection's own layout. Its two ops pass opcheck too."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    qkv, (q, k, v) = qkv_view(2, 40, 2, 16, torch.float32)
+    do = torch.randn(2, 2, 40, 16)
+    attention(q, k, v, "triton").backward(do)
+    unpacked = qkv.grad.clone()
+    qkv.grad = None
+    o = kernels.attention_packed(qkv, "triton")
+    with Ops() as ops:
+        o.backward(do)
+    torch.testing.assert_close(o, attention(q, k, v, "triton"), rtol=0, atol=0)
+    torch.testing.assert_close(qkv.grad, unpacked, rtol=0, atol=0)
+    assert not {"stack.default", "cat.default", "clone.default", "copy_.default"} & set(ops.names), ops.names
+    torch.library.opcheck(kernels.flash_attn_qkv_fwd, (qkv,))
+    o, lse = kernels.flash_attn_qkv_fwd(qkv)
+    torch.library.opcheck(kernels.flash_attn_qkv_bwd, [x.detach() for x in (qkv, o, lse, do)])
+
+
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated")  # inside Inductor, not ours
 def test_torch_compile_matches_eager():
     """A GPT-2 block with attn="triton", compiled whole (fullgraph=True: a graph break is an error, so the
