@@ -36,7 +36,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kernels import attention, attention_packed, lm_head_loss, unpack_qkv
+from kernels import attention, attention_packed, unpack_qkv
+from lmhead import lm_head_loss
 
 
 @dataclass
@@ -199,7 +200,7 @@ class Block(nn.Module):
 class CrossEntropy(nn.Module):
     """The output layer and the mean next-token loss in one: logits = x W^T are made and consumed a
     chunk of rows at a time, in fp32 whatever the matmuls' dtype, and never all at once
-    (kernels.lm_head_loss). A layer, so tensor parallelism can swap in its vocab-parallel loss."""
+    (lmhead.lm_head_loss). A layer, so tensor parallelism can swap in its vocab-parallel loss."""
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return lm_head_loss(x, weight, targets)

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 import model as gpt
-from kernels import lm_head_loss
+from lmhead import lm_head_loss
 
 all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
@@ -436,7 +436,7 @@ class VocabParallelEmbedding(torch.nn.Module):
 class VocabParallelLoss(torch.nn.Module):
     """The model's loss layer under tensor parallelism (model.CrossEntropy on one device). Rank r
     holds rows [vocab_start, vocab_start + V/tp) of the output layer and computes only those logits,
-    a chunk of rows at a time (kernels.lm_head_loss). The loss never gathers them (Megatron, section 3):
+    a chunk of rows at a time (lmhead.lm_head_loss). The loss never gathers them (Megatron, section 3):
 
         m   = max over all ranks of the logits          (all-reduce MAX, B*T floats)
         S   = sum over all ranks of exp(logit - m)      (all-reduce SUM of S and z_t

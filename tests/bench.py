@@ -7,7 +7,7 @@
 Two configurations are timed in alternating rounds, so both see the same machine at the same time:
 
     ours           the model as train.py builds and runs it: the fused, chunked output layer + loss
-                   (kernels.lm_head_loss), weights cast once a step, compiled where train.py compiles
+                   (lmhead.lm_head_loss), weights cast once a step, compiled where train.py compiles
     unfused loss   the same, with the textbook loss: the whole (B, T, V) logits, then F.cross_entropy
 
 For each: tokens/s; the training FLOP/s (PaLM's formula, model.flops_per_token) as a share of the

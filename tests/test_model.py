@@ -97,14 +97,14 @@ def test_fused_loss_equals_cross_entropy_and_never_holds_the_logits(monkeypatch)
     import torch.nn.functional as F
 
     import formulas
-    import kernels
+    import lmhead
     torch.manual_seed(0)
     N, C, V = 1000, 32, 4096
     x = torch.randn(N, C, dtype=torch.float64, requires_grad=True)
     w = torch.randn(V, C, dtype=torch.float64, requires_grad=True)
     targets = torch.randint(0, V, (N,))
-    monkeypatch.setattr(kernels, "LOSS_CHUNK_BYTES", 4 * V * 128)  # 8 chunks of 128 rows, the last short
-    (kernels.lm_head_loss(x, w, targets) * 3).backward()
+    monkeypatch.setattr(lmhead, "LOSS_CHUNK_BYTES", 4 * V * 128)  # 8 chunks of 128 rows, the last short
+    (lmhead.lm_head_loss(x, w, targets) * 3).backward()
     x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
     (F.cross_entropy(x2 @ w2.t(), targets) * 3).backward()
     torch.testing.assert_close(x.grad, x2.grad, rtol=1e-12, atol=1e-15)
@@ -113,7 +113,7 @@ def test_fused_loss_equals_cross_entropy_and_never_holds_the_logits(monkeypatch)
     # memory of the loss and its backward, fp32: one chunk of logits + dW, against ~3 copies of all logits
     x, w = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
     cpu = torch.device("cpu")
-    fused = formulas.peak_memory(lambda: kernels.lm_head_loss(x, w, targets).backward(), cpu)
+    fused = formulas.peak_memory(lambda: lmhead.lm_head_loss(x, w, targets).backward(), cpu)
     unfused = formulas.peak_memory(lambda: F.cross_entropy(x @ w.t(), targets).backward(), cpu)
     logits = N * V * 4
     assert unfused >= 2 * logits and fused <= logits / 4 and unfused >= 4 * fused, (fused, unfused, logits)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-import kernels
+import lmhead
 import model as gpt
 import parallel
 
@@ -101,7 +101,7 @@ def check_embedding_and_loss(grid):
     torch.testing.assert_close(emb.weight.grad, parallel.take_shard(dense.weight.grad, emb.weight.shard))
 
     # the loss: the head's weight is the embedding's, the input replicated; chunks of 5 rows (of 16)
-    kernels.LOSS_CHUNK_BYTES = 5 * 4 * V // grid.tp
+    lmhead.LOSS_CHUNK_BYTES = 5 * 4 * V // grid.tp
     x = torch.randn(B, T, C, requires_grad=True)
     x_local = x.detach().clone().requires_grad_()
     loss = parallel.VocabParallelLoss(grid, emb.vocab_start)(x_local, emb.weight, targets)
