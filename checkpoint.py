@@ -63,10 +63,10 @@ import torch
 
 import hf
 import storage
-from gradients import ZeroAdamW
 from model import canonical_name
 from parallel import take_shard, unshard
 from storage import CheckpointError, CorruptCheckpoint  # raised by storage.py's checks; caught as checkpoint.*
+from zero import ZeroAdamW
 
 STEP_DIR = re.compile(r"step_\d{8}")
 
@@ -118,9 +118,9 @@ def tensor_entries(model: torch.nn.Module, opt, grid) -> dict[str, tuple]:
     moments keyed by parameter name, so they can be resharded exactly like the parameter."""
     out = {}
     for name, p in model.named_parameters():
-        if grid.owns(p):
+        if grid.owns(p) and not weights_sharded(opt):  # ZeRO-3: the fp32 masters below are the weights
             out[name] = entry(p, name, p)
-    if isinstance(opt, ZeroAdamW):  # ZeRO-1: this rank's flat slices of the moments and master weights
+    if isinstance(opt, ZeroAdamW):  # ZeRO: this rank's flat slices of the moments and master weights
         for name, p, kind, (a, z), t in opt.pieces(model):
             if grid.owns(p, replicated_over_dp=False):
                 out[f"{name}::{kind}@{a}"] = entry(t, f"{name}::{kind}", p, (a, z))
@@ -131,6 +131,11 @@ def tensor_entries(model: torch.nn.Module, opt, grid) -> dict[str, tuple]:
             for kind in ("exp_avg", "exp_avg_sq"):
                 out[f"{name}::{kind}"] = entry(state[kind], f"{name}::{kind}", p)
     return out
+
+
+def weights_sharded(opt) -> bool:
+    """ZeRO-3: between steps no rank holds whole parameters, only its shard of the optimizer's."""
+    return isinstance(opt, ZeroAdamW) and opt.stage == 3
 
 
 def optimizer_steps(opt) -> int:
@@ -442,9 +447,12 @@ def load(path: Path, model, opt, grid, manifest: dict | None = None) -> dict:
             if f"{key}::{kind}" in reader:
                 moments[name, kind] = local_part(reader.full(f"{key}::{kind}"), p, torch.float32, "cpu")
     mine = reader.rank_state(grid.rank) if manifest["layout"] == layout_of(grid) else None
+    for name in params:  # ZeRO's masters start from the weights when the checkpoint kept none
+        moments.setdefault((name, "master"), values[name].float())
     with torch.no_grad():  # now change things
         for name, p in params.items():
-            p.copy_(values[name])
+            if not weights_sharded(opt):  # ZeRO-3 rebuilds its weight shards from the masters
+                p.copy_(values[name])
     load_optimizer(opt, model, moments, state0["extra"]["opt_step"])
     if mine is not None:  # same layout: this rank continues its own random streams exactly
         set_rng_state(mine["rng"], grid.device)
@@ -502,7 +510,7 @@ def consolidate(path: Path) -> dict[str, torch.Tensor]:
     run kept them)."""
     manifest = storage.verify(path)
     reader = Reader(path, manifest)
-    names = [n for n in reader.entries if "::" not in n]
+    names = dict.fromkeys(n.split("::")[0] for n in reader.entries)  # ZeRO-3 saves only the masters
     return {n: reader.full(f"{n}::master" if f"{n}::master" in reader else n).float() for n in names}
 
 

@@ -106,7 +106,9 @@ class TrainConfig:
     sp: bool = arg(False, "sequence parallelism: shard LayerNorm/dropout activations along the sequence "
                    "across the tensor-parallel ranks")
     pp_schedule: str = arg("1f1b", "pipeline schedule", choices=list(pipeline.SCHEDULES))
-    zero: int = arg(0, "1: ZeRO-1, shard the optimizer state across data-parallel ranks", choices=[0, 1])
+    zero: int = arg(0, "ZeRO stage: shard across the data-parallel ranks 1: the optimizer state, 2: and the "
+                    "gradients (reduce-scattered every backward), 3: and the weights (gathered per block, "
+                    "prefetched); see zero.py", choices=[0, 1, 2, 3])
     bucket_mb: float = arg(25.0, "data-parallel gradient bucket size in MB", (lambda v: v > 0, "must be > 0"))
     no_overlap: bool = arg(False, "all-reduce gradients after the backward instead of during it")
     timeout: float = arg(300.0, "seconds a collective (or a checkpoint commit) may wait for a peer before the "
@@ -115,6 +117,8 @@ class TrainConfig:
     print_schedule: bool = arg(False, "print the pipeline schedule the stages ran on the first step")
     comm_report: bool = arg(False, "print the bytes every collective moved on the first step, next to "
                             "the formula they should match")
+    memory_report: bool = arg(False, "print, per rank, the bytes of weights, gradients, optimizer state and "
+                              "saved activations of the first step, next to the ZeRO and Korthikanti formulas")
 
 
 def parse_args(argv=None) -> TrainConfig:
@@ -155,6 +159,9 @@ def resolve_defaults(cfg: TrainConfig, device: torch.device, bf16_ok: bool = Tru
         cfg.precision = "bf16" if cuda and bf16_ok else "fp32"
     if cfg.compile is None:
         cfg.compile = cuda
+    if cfg.zero == 3 and cfg.pp > 1:
+        raise ConfigError("--zero 3 with --pp is not supported: ZeRO-3 gathers the tied embedding as one unit on "
+                          "one stage; use --zero 1 or 2 with pipeline parallelism")
     cfg.attn = resolve_attention(cfg, device, n_embd // n_head)
     return cfg
 

@@ -19,8 +19,10 @@ from collections import defaultdict
 import torch
 
 import model as gpt
-from gradients import GradSync, ZeroAdamW
+import gradients
+from gradients import GradSync
 from parallel import Grid, LayoutError, stage_layers
+from zero import ZeroAdamW, in_backward
 
 
 def peak_flops(device: torch.device, precision: str) -> float:
@@ -94,21 +96,18 @@ def expected_traffic(cfg: gpt.GPTConfig, grid: Grid, micro_batch: int, n_micro: 
         per_micro[("all_reduce", "tp")] += (btc if first else 0) + (3 * bt if last else 0)
         for k, v in per_micro.items():
             e[k] += n_micro * v
-        if sp:  # LayerNorm and row-parallel bias gradients, once per step
-            e[("all_reduce", "tp")] += 4 * sum(p.numel() for p in model.parameters()
-                                               if getattr(p, "sequence_parallel", False))
+        if sp:  # LayerNorm and row-parallel bias gradients (under ZeRO, this rank's pieces), once per step
+            partial = (g.numel() for g in gradients.sequence_parallel_grads(model, sync)) if sync and sync.zero \
+                else (p.numel() for p in model.parameters() if getattr(p, "sequence_parallel", False))
+            e[("all_reduce", "tp")] += 4 * sum(partial)
     if grid.pp > 1:
         act = btc // grid.tp if sp else btc
         e[("send", "pp")] += n_micro * act * ((not last) + (not first))
         if first or last:
-            e[("all_reduce", "embed")] += cfg.padded_vocab // grid.tp * cfg.n_embd * 4
+            e[("all_reduce", "embed")] += 4 * (gradients.tied_grad(model, grid, sync).numel() if sync and sync.zero
+                                               else cfg.padded_vocab // grid.tp * cfg.n_embd)
     if sync is not None and grid.dp > 1:
-        if sync.zero:
-            padded = sum(b.main_grad.numel() for b in sync.buckets)
-            e[("reduce_scatter", "dp")] += 4 * padded
-            e[("all_gather", "dp")] += padded * next(model.parameters()).element_size()
-        else:
-            e[("all_reduce", "dp")] += 4 * sum(b.numel for b in sync.buckets)
+        e.update(zero_traffic(sync, n_micro, next(model.parameters()).element_size()))
     for group in ("tp", "pp") + (("dp",) if sync is not None and sync.zero else ()):
         if grid.size(group) > 1:
             e[("all_reduce", group)] += 4  # the squared gradient norm
@@ -116,6 +115,22 @@ def expected_traffic(cfg: gpt.GPTConfig, grid: Grid, micro_batch: int, n_micro: 
         if grid.size(group) > 1:
             e[("all_reduce", group)] += 4  # the loss, for logging and the guards
     return dict(e)
+
+
+def zero_traffic(sync: GradSync, n_micro: int, weight_bytes: int) -> dict:
+    """The data-parallel bytes of one step, by ZeRO stage, for Ψ parameters in fp32 gradient buckets
+    (padded to dp shards under ZeRO) and weights of `weight_bytes` each:
+        0  all-reduce 4Ψ, once per step
+        1  reduce-scatter 4Ψ once, all-gather the new weights once: the same ring bytes as stage 0
+        2  reduce-scatter 4Ψ every micro-batch (nothing is held whole), all-gather once
+        3  reduce-scatter 4Ψ, and all-gather the weights twice (forward, backward), every micro-batch:
+           with one micro-batch and 4-byte weights 12Ψ against stage 0's 8Ψ, ZeRO's 1.5x"""
+    if not sync.zero:
+        return {("all_reduce", "dp"): 4 * sum(b.numel for b in sync.buckets)}
+    padded = sum(b.padded for b in sync.buckets)
+    reduces = 1 if sync.zero == 1 else n_micro
+    gathers = 2 * n_micro if sync.zero == 3 else 1
+    return {("reduce_scatter", "dp"): reduces * 4 * padded, ("all_gather", "dp"): gathers * weight_bytes * padded}
 
 
 def comm_report(grid: Grid, expected: dict) -> str:

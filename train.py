@@ -22,6 +22,7 @@ Checkpoints (lesson 04) are written by checkpoint.py; a run whose --out holds on
 it. The loss-spike guard rolls back to the last checkpoint and skips the batch that caused it.
 """
 
+import contextlib
 import os
 import random
 import signal
@@ -47,6 +48,7 @@ import pipeline
 import rundir
 import stability
 import tokenizer
+import zero
 
 # ----------------------------------------------------------------------------- optimization
 
@@ -54,9 +56,9 @@ import tokenizer
 def make_optimizer(model: torch.nn.Module, cfg: config.TrainConfig, device: torch.device, sync=None):
     """AdamW (Loshchilov & Hutter); decay only tensors of 2+ dims: matmul weights and embeddings,
     not biases or LayerNorm gains (decaying a gain toward 0 fights the normalization). With
-    --zero 1 the same update runs on this rank's shard only (gradients.ZeroAdamW)."""
+    --zero the same update runs on this rank's shard only (zero.ZeroAdamW)."""
     if cfg.zero:
-        return gradients.ZeroAdamW(sync, cfg.lr, (0.9, 0.95), 1e-8, cfg.weight_decay,
+        return zero.ZeroAdamW(sync, cfg.lr, (0.9, 0.95), 1e-8, cfg.weight_decay,
                                    stability.PRECISIONS[cfg.precision].params)
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
@@ -101,6 +103,7 @@ class Run:
     lock: object = None  # the open lock file on --out: held for as long as this object lives
     sync: gradients.GradSync | None = None  # data-parallel gradient averaging
     pipe: pipeline.Pipeline | None = None  # this rank's pipeline stage, when --pp > 1
+    gather: zero.ParamGather | None = None  # ZeRO-3's weight gathering, when --zero 3
     step: int = 0
     skip_batches: list = field(default_factory=list)  # global batch numbers the spike guard skips
     batches_drawn: int = 0
@@ -156,8 +159,10 @@ def setup(cfg: config.TrainConfig) -> Run:
         compile_model(model, grid)
     sync = None
     if grid.dp > 1 or cfg.zero:
-        sync = gradients.GradSync(model, grid, cfg.bucket_mb, overlap=not cfg.no_overlap, zero=bool(cfg.zero))
+        sync = gradients.GradSync(model, grid, cfg.bucket_mb, overlap=not cfg.no_overlap, zero=cfg.zero,
+                                  units=zero.units(model) if cfg.zero == 3 else None)
     opt = make_optimizer(model, cfg, device, sync)
+    gather = zero.ParamGather(model, sync, grid) if cfg.zero == 3 else None  # after the optimizer sharded the weights
     stages = pipeline.Pipeline(model, grid, cfg.pp_schedule, grad_sync=sync) if grid.pp > 1 else None
     if stages and cfg.pp_schedule == "1f1b" and cfg.micro_batch_size * grid.pp > per_rank:
         grid.log(f"warning: {per_rank // cfg.micro_batch_size} micro-batches for {grid.pp} stages: the "
@@ -174,7 +179,7 @@ def setup(cfg: config.TrainConfig) -> Run:
     if cfg.print_grid:
         grid.log(str(grid))
     return Run(cfg, device, precision, grid, tok, model_cfg, model, opt, scaler, loader, val, guard, saver, run_id,
-               lock=lock, sync=sync, pipe=stages)
+               lock=lock, sync=sync, pipe=stages, gather=gather)
 
 
 def claim_out(cfg: config.TrainConfig, grid: parallel.Grid) -> tuple[object, str]:
@@ -211,8 +216,14 @@ def forward_backward(run: Run, batch: torch.Tensor) -> torch.Tensor:
     """Gradient accumulation over micro-batches (or a pipeline schedule over them); returns this
     rank's mean loss over its micro-batches (0 on pipeline stages without the loss)."""
     micro = batch.split(run.cfg.micro_batch_size)  # rows of T + 1 tokens: inputs and next-token targets
-    with run.precision.cast_once(run.device):
+    with cast_once(run):
         return accumulate(run, micro, run.scaler.scale)
+
+
+def cast_once(run: Run):
+    """Cast the weights to the compute dtype once per step (stability.Precision.cast_once), except
+    under ZeRO-3: the cached copies would be whole weights, which ZeRO-3 exists not to hold."""
+    return contextlib.nullcontext() if run.gather else run.precision.cast_once(run.device)
 
 
 def accumulate(run: Run, micro: list[torch.Tensor], scale: float = 1.0) -> torch.Tensor:
@@ -241,7 +252,7 @@ def train_step(run: Run) -> dict:
     local_loss = forward_backward(run, batch)
     gradients.finish_grads(run.model, run.grid, run.sync)
     loss = run.grid.global_loss(local_loss)  # after the gradients: nothing delays their buckets
-    grads = [p.grad for p in run.model.parameters() if p.grad is not None]
+    grads = gradients.local_grads(run.model, run.sync)
     run.scaler.unscale_(grads)
     norm = gradients.grad_norm(run.model, run.grid, run.sync)
     finite_loss, finite = bool(torch.isfinite(loss)), bool(torch.isfinite(norm))
@@ -270,7 +281,7 @@ def evaluate(run: Run) -> float:
     """The mean loss over the validation batches, in training-sized micro-batches (no new shapes
     for a compiled model, no more memory than training)."""
     run.model.eval()
-    with run.precision.cast_once(run.device):  # the weights do not change: one cast for all batches
+    with cast_once(run):  # the weights do not change: one cast for all batches
         losses = [run.grid.global_loss(accumulate(run, batch.to(run.device).split(run.cfg.micro_batch_size)))
                   for batch in run.val]
     run.model.train()

@@ -45,7 +45,11 @@ LAYOUTS = {
     "dp2": (2, []),
     "dp4-accum": (4, ["--micro-batch-size", "1"]),
     "dp2-zero1": (2, ["--zero", "1", "--bucket-mb", "0.05"]),
-    "dp4-zero1-accum": (4, ["--zero", "1", "--micro-batch-size", "1"]),
+    "dp2-zero2": (2, ["--zero", "2", "--bucket-mb", "0.05"]),
+    "dp4-zero2-accum": (4, ["--zero", "2", "--micro-batch-size", "1"]),
+    "dp2-zero3-accum-recompute-full": (2, ["--zero", "3", "--micro-batch-size", "2", "--recompute", "full"]),
+    "dp4-zero3-accum": (4, ["--zero", "3", "--micro-batch-size", "1"]),
+    "tp2xdp2-sp-zero3": (4, ["--tp", "2", "--sp", "--zero", "3", "--micro-batch-size", "2"]),
     "tp2": (2, ["--tp", "2"]),
     "tp4": (4, ["--tp", "4"]),
     "tp2-sp": (2, ["--tp", "2", "--sp"]),
@@ -60,7 +64,7 @@ LAYOUTS = {
                                         "--recompute", "selective"]),
     "tp2xpp2-sp-recompute-full": (4, ["--tp", "2", "--pp", "2", "--sp", "--micro-batch-size", "2",
                                       "--recompute", "full"]),
-    "3d-2x2x2-sp-zero1": (8, ["--tp", "2", "--pp", "2", "--sp", "--zero", "1", "--micro-batch-size", "1"]),
+    "3d-2x2x2-sp-zero2": (8, ["--tp", "2", "--pp", "2", "--sp", "--zero", "2", "--micro-batch-size", "1"]),
 }
 
 

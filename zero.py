@@ -1,0 +1,275 @@
+"""ZeRO (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+Models"): data parallelism without every rank holding a copy of everything.
+
+Plain data parallelism keeps, on every one of N ranks, the whole model state. With Ψ parameters
+under mixed precision that is 2Ψ bytes of 16-bit weights, 2Ψ of gradients and KΨ = 12Ψ of optimizer
+state (fp32 master weights and Adam's two moments). Each stage shards one more of the three over the
+N data-parallel ranks (section 5, figure 1):
+
+    stage 1  optimizer state             2Ψ + 2Ψ + 12Ψ/N      reduce-scatter grads, all-gather weights
+    stage 2  + gradients                 2Ψ + (2Ψ + 12Ψ)/N    the same bytes (gradients.py)
+    stage 3  + the weights themselves    (2Ψ + 2Ψ + 12Ψ)/N    all-gather each unit's weights just
+                                                              before its forward and again before its
+                                                              backward: 1.5x the bytes of stage 0
+
+Here gradients are fp32 (4Ψ, Megatron-LM's "main grads"), so the middle term is 4Ψ; `--memory-report`
+prints both.
+
+Stage 3 in this file, FSDP-style (Zhao et al. 2023, "PyTorch FSDP"): the parameters are grouped in
+units (the embeddings with the final LayerNorm, then one unit per block); a unit's weights are one
+flat buffer of which each rank keeps 1/N. Around each use:
+
+    forward   gather unit i (waiting for the prefetch) ─▶ start gathering unit i+1 ─▶ compute i ─▶ free i
+    backward  gather unit i again ─▶ start gathering unit i-1 ─▶ backward of i ─▶ reduce-scatter its
+              gradients (gradients.GradSync) ─▶ free i
+
+so at most two units are whole at once, and each all-gather is in flight while the unit before it
+computes. Between uses a parameter keeps its shape but not its values (`placeholder`: one element,
+broadcast), so code that only asks for shapes works, and a write to it fails loudly.
+
+The embeddings' unit is used twice per forward (the tied wte is also the output layer): gathered for
+the embedding, freed, gathered again for the head and kept through the backward, which ends in the
+embedding again. Two gathers per forward and backward, like every other unit: 1.5x, exactly.
+"""
+
+import time
+
+import torch
+
+from gradients import Bucket, GradSync
+from parallel import Grid, peer_call
+
+
+class ZeroAdamW:
+    """The sharded optimizer of ZeRO stages 1-3 (section 5.1): rank r keeps the fp32 master weights,
+    exp_avg and exp_avg_sq of shard r of every bucket only, and updates only that shard.
+
+        gradients reduce-scattered ─▶ AdamW on this rank's shard (12 bytes/param / dp)
+        stages 1, 2: all-gather the updated shards ─▶ every rank has the whole new model
+        stage 3: keep only the shard; ParamGather gathers it when a unit runs
+
+    The parameters live in flat per-bucket buffers so the gather writes straight into them; they may
+    be bf16 while the master shard stays fp32. The update is AdamW exactly as torch.optim.AdamW
+    computes it.
+    """
+
+    def __init__(self, sync: GradSync, lr: float, betas=(0.9, 0.95), eps: float = 1e-8,
+                 weight_decay: float = 0.0, param_dtype: torch.dtype = torch.float32):
+        self.sync, self.grid, self.stage = sync, sync.grid, sync.zero
+        self.betas, self.eps, self.t = betas, eps, 0
+        self.param_groups = [{"lr": lr}]
+        self.shards = []
+        for b in sync.buckets:
+            master = torch.zeros(b.padded, device=b.device)  # fp32, all of it for now
+            decay = torch.zeros_like(master)
+            for (p, view), off in zip(b.views(master), b.offsets):
+                view.copy_(p.detach())
+                decay[off:off + p.numel()] = weight_decay if p.dim() >= 2 else 0.0
+            s = slice(*b.shard_range(self.grid.dp_rank))
+            if self.stage == 3:  # this rank keeps its shard of the weights, nothing more
+                flat = b.param_shard = master[s].to(param_dtype)
+                for p in b.params:
+                    p.data = placeholder(p.shape, param_dtype, b.device)
+            else:
+                flat = master.to(param_dtype)
+                for p, view in b.views(flat):
+                    p.data = view  # the parameter is now a window onto the bucket's flat buffer
+            self.shards.append({"flat": flat, "slice": s, "master": master[s].clone(),
+                                "exp_avg": torch.zeros(b.shard_size, device=b.device),
+                                "exp_avg_sq": torch.zeros(b.shard_size, device=b.device),
+                                "decay": decay[s].clone()})
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.t += 1
+        lr, (beta1, beta2) = self.param_groups[0]["lr"], self.betas
+        bias1, bias2 = 1 - beta1**self.t, 1 - beta2**self.t
+        for b, st in zip(self.sync.buckets, self.shards):
+            g, w = b.shard_grad, st["master"]
+            w.mul_(1 - lr * st["decay"])
+            st["exp_avg"].lerp_(g, 1 - beta1)
+            st["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            denom = (st["exp_avg_sq"].sqrt() / bias2**0.5).add_(self.eps)
+            w.addcdiv_(st["exp_avg"], denom, value=-lr / bias1)
+            self._publish(st)
+
+    def _publish(self, st: dict) -> None:
+        """The master shard, in the parameters' dtype, where the forward will find it."""
+        if self.stage == 3:
+            st["flat"].copy_(st["master"])
+        else:
+            self.grid.all_gather(st["flat"], st["master"].to(st["flat"].dtype), "dp")
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.sync.zero_grad()
+
+    def memory_bytes(self) -> int:
+        """Optimizer state held by this rank: master weights and both moments (fp32)."""
+        return sum(st[k].numel() * 4 for st in self.shards for k in ("master", "exp_avg", "exp_avg_sq"))
+
+    def pieces(self, model: torch.nn.Module):
+        """(name, param, kind, (start, stop) within the param, tensor) for each part of this rank's
+        shards, so a checkpoint can store the state per parameter and reshard it."""
+        names = {id(p): n for n, p in model.named_parameters()}
+        for b, st in zip(self.sync.buckets, self.shards):
+            lo, hi = st["slice"].start, st["slice"].stop
+            for p, off, a, z in b.parts(lo, hi):
+                for kind in ("master", "exp_avg", "exp_avg_sq"):
+                    yield names[id(p)], p, kind, (a - off, z - off), st[kind][a - lo:z - lo]
+
+    @torch.no_grad()
+    def load_pieces(self, model: torch.nn.Module, state, t: int) -> None:
+        """Fill this rank's shards from full per-parameter state: state(name, p, kind) gives p's
+        slice in fp32 (for "master", the checkpoint's weights when it kept no masters), or None for a
+        moment the checkpoint lacks (it starts from zero). Under stage 3 the weight shards are then
+        rebuilt from the masters: nothing else holds them."""
+        self.t = t
+        for name, p, kind, (a, z), dst in self.pieces(model):
+            src = state(name, p, kind)
+            if src is None:
+                dst.zero_()
+            else:
+                dst.copy_(src.flatten()[a:z])
+        if self.stage == 3:
+            for st in self.shards:
+                self._publish(st)
+
+
+def placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """What a ZeRO-3 parameter holds between uses: its shape, over a single element."""
+    return torch.empty(1, dtype=dtype, device=device).expand(shape)
+
+
+def units(model: torch.nn.Module) -> list[list[torch.nn.Parameter]]:
+    """ZeRO-3's units, in forward order: the embeddings and the final LayerNorm (the tied wte is the
+    output layer too), then one per block."""
+    t = model.transformer
+    root = [*t.wte.parameters(), *t.wpe.parameters(), *t.ln_f.parameters()]
+    return [root] + [list(block.parameters()) for block in t.h]
+
+
+def in_backward() -> bool:
+    """Is autograd running a backward on this thread right now? (A recomputed forward runs inside one.)"""
+    return torch._C._current_graph_task_id() != -1
+
+
+class _BeforeBackward(torch.autograd.Function):
+    """Identity forward; in the backward, call `fn` first: the hook that gathers a unit's weights
+    before the backward that needs them (and prefetches the next)."""
+
+    @staticmethod
+    def forward(ctx, x, fn):
+        ctx.fn = fn
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.fn()
+        return grad, None
+
+
+class ParamGather:
+    """ZeRO-3's parameter side: module hooks gather each unit's weights before it runs, prefetch the
+    next unit's, and free them after (see the module docstring). GradSync's reduce-scatter of a
+    unit's gradients (`on_reduced`) frees the weights after the backward."""
+
+    def __init__(self, model: torch.nn.Module, sync: GradSync, grid: Grid):
+        self.grid, self.sync = grid, sync
+        self.units: list[Bucket] = sync.buckets[::-1]  # forward order: root, block 0, block 1, ...
+        for u in self.units:
+            u.full, u.gathering = None, None
+        self.events: list[tuple[str, int, float]] = []  # (what, unit, seconds): the prefetch, measured
+        t, last = model.transformer, len(self.units) - 1
+        # root: gathered for the embedding and freed after it (wte and wpe run, then dropout), then
+        # gathered again for the head; in training kept through the backward until reduce-scattered
+        t.wte.register_forward_pre_hook(lambda m, args: self.use(0, prefetch=1))
+        t.drop.register_forward_hook(lambda m, args, out: self.free(0))
+        t.ln_f.register_forward_pre_hook(lambda m, args: self.use(0, prefetch=None))
+        for module in (model.loss, model.lm_head):
+            module.register_forward_hook(self._after_head)
+        for i, block in enumerate(t.h, start=1):
+            block.register_forward_pre_hook(lambda m, args, i=i: self.use(i, prefetch=self._next(i)))
+            block.register_forward_hook(lambda m, args, out, i=i: self._after_block(i, out))
+        sync.on_reduced = lambda b: self.free(self.units.index(b))
+        self.last = last
+
+    def _next(self, i: int) -> int | None:
+        """The unit to prefetch while unit i runs: the next in the forward (the root, for the head,
+        after the last block), the previous in a backward (no further than block 0)."""
+        if in_backward():
+            return i - 1 if i > 1 else None
+        return i + 1 if i < len(self.units) - 1 else 0
+
+    def gather(self, i: int) -> None:
+        """Start the all-gather of unit i's weights (asynchronous), unless it is whole or on its way."""
+        u = self.units[i]
+        if u.full is not None or u.gathering is not None:
+            return
+        full = torch.empty(u.padded, dtype=u.param_shard.dtype, device=u.device)
+        u.gathering = full, self.grid.all_gather(full, u.param_shard, "dp", async_op=True)
+        self.events.append(("gather", i, time.perf_counter()))
+
+    def wait(self, i: int) -> None:
+        u = self.units[i]
+        if u.gathering is None:
+            return
+        full, work = u.gathering
+        landed = work is None or work.is_completed()  # already there: the gather was hidden entirely
+        if work is not None:
+            peer_call(work.wait)
+        u.full, u.gathering = full, None
+        for p, view in u.views(full):
+            p.data = view
+        self.events.append(("ready" if not landed else "ready (landed early)", i, time.perf_counter()))
+
+    def use(self, i: int, prefetch: int | None) -> None:
+        """Before unit i computes: its weights whole, the next unit's on their way."""
+        self.gather(i)
+        self.wait(i)
+        if prefetch is not None:
+            self.gather(prefetch)
+        self.events.append(("compute", i, time.perf_counter()))
+
+    def free(self, i: int) -> None:
+        u = self.units[i]
+        self.wait(i)  # a gather in flight writes into its buffer: let it land first
+        u.full = None
+        for p in u.params:
+            p.data = placeholder(p.shape, u.param_shard.dtype, u.device)
+        self.events.append(("free", i, time.perf_counter()))
+
+    def _after_block(self, i: int, out: torch.Tensor):
+        if in_backward():  # a recomputed forward (--recompute full): its backward follows at once
+            return None
+        self.free(i)
+        if torch.is_grad_enabled():
+            return _BeforeBackward.apply(out, lambda: self.use(i, prefetch=self._next(i)))
+        return None
+
+    def _after_head(self, module, args, out):
+        if not torch.is_grad_enabled():  # evaluation, sampling: nothing comes back for the weights
+            self.free(0)
+            return None
+        if isinstance(out, torch.Tensor) and out.dim() == 0:  # the loss: its backward starts the step's
+            return _BeforeBackward.apply(out, lambda: self.gather(self.last))
+        return None
+
+    def all_free(self) -> bool:
+        """Is every unit back to its shard (as between steps it must be)?"""
+        return all(u.full is None and u.gathering is None for u in self.units)
+
+    def prefetch_report(self) -> str:
+        """From the first forward: for how many blocks the next unit's all-gather was launched before
+        the block began computing and waited for only after it had finished (so it was in flight
+        during the compute), and how many of those had already landed when waited for."""
+        first = {}
+        for what, i, t in self.events:
+            first.setdefault((what.split(" ")[0], i), t)
+            first.setdefault((what, i), t)
+        blocks = range(1, len(self.units) - 1)
+        spans = [i for i in blocks if first[("gather", i + 1)] < first[("compute", i)]
+                 and first[("free", i)] < first[("ready", i + 1)]]
+        early = [i for i in spans if ("ready (landed early)", i + 1) in first
+                 and first[("ready (landed early)", i + 1)] == first[("ready", i + 1)]]
+        return (f"ZeRO-3 prefetch: the next unit's all-gather was in flight while the block computed for "
+                f"{len(spans)} of {len(blocks)} blocks; already complete when needed: {len(early)} (first forward)")
