@@ -18,8 +18,8 @@ from collections import defaultdict
 
 import torch
 
-import model as gpt
 import gradients
+import model as gpt
 from gradients import GradSync
 from parallel import Grid, LayoutError, stage_layers
 from zero import ZeroAdamW, in_backward
@@ -174,7 +174,157 @@ def zero_memory_report(opt, model: torch.nn.Module, grid: Grid) -> str:
             f"(padding {measured - formula:,.0f} bytes)")
 
 
-# ----------------------------------------------------------------------------- planning a run on paper
+# ----------------------------------------------------------------------------- memory, measured and predicted
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (views of one buffer count once)."""
+    seen = {}
+    for t in tensors:
+        if t is not None and t.untyped_storage().nbytes() > t.element_size():  # not a ZeRO-3 placeholder
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def state_memory(model: torch.nn.Module, opt, sync: GradSync | None) -> dict[str, int]:
+    """Measured: the bytes of the buffers that hold this rank's weights, gradients and optimizer state
+    (taken after the gradients are reduced, before the update)."""
+    zero = sync.zero if sync is not None else 0
+    weights = [b.param_shard for b in sync.buckets] if zero == 3 else list(model.parameters())
+    if zero >= 2:
+        grads = [b.shard_grad for b in sync.buckets]
+    elif sync is not None:
+        grads = [b.main_grad for b in sync.buckets]
+    else:
+        grads = [p.grad for p in model.parameters()]
+    if isinstance(opt, ZeroAdamW):
+        state = [st[k] for st in opt.shards for k in ("master", "exp_avg", "exp_avg_sq")]
+    else:
+        state = [st[k] for st in opt.state.values() for k in ("exp_avg", "exp_avg_sq") if k in st]
+    return {"weights": storage_bytes(weights), "gradients": storage_bytes(grads), "optimizer": storage_bytes(state)}
+
+
+def state_formula(model: torch.nn.Module, opt, sync: GradSync | None, grid: Grid) -> dict[str, tuple[float, str]]:
+    """ZeRO's formulas (section 5, figure 1) in this codebase's bytes: weights of P bytes (the
+    parameter dtype), fp32 gradients (4; without data parallelism, p.grad in the weights' dtype) and
+    K = 12 bytes of optimizer state (fp32 master, exp_avg, exp_avg_sq; torch's AdamW on fp32 weights
+    keeps only the moments, K = 2P). Ψ is this rank's parameters (tensor/pipeline parallelism already
+    divided them), padded to N equal shards under ZeRO; N = dp."""
+    zero, n = (sync.zero if sync is not None else 0), grid.dp
+    P = next(model.parameters()).element_size()
+    psi = sum(b.padded for b in sync.buckets) if zero else sum(p.numel() for p in model.parameters())
+    G = 4 if sync is not None else P
+    K = 12 if isinstance(opt, ZeroAdamW) else 2 * P
+
+    def term(bytes_, sharded):
+        return (bytes_ * psi / (n if sharded else 1), f"{bytes_}Ψ" + ("/N" if sharded else ""))
+
+    return {"weights": term(P, zero >= 3), "gradients": term(G, zero >= 2), "optimizer": term(K, zero >= 1)}
+
+
+def activation_formula(cfg: gpt.GPTConfig, seq_len: int, micro_batch: int, tp: int, sp: bool, recompute: str,
+                       attn: str, act_bytes: int) -> tuple[float, float]:
+    """(this codebase's bytes, Korthikanti's bytes) of activations one layer saves for its backward,
+    per micro-batch. Korthikanti et al. 2022 (section 4, table 2), 16-bit activations, 1-byte dropout
+    masks: s b h (34 + 5 a s / h) per layer; with tensor parallelism t, 10 + 24/t + 5as/(ht) (the
+    LayerNorm/dropout regions are replicated), with sequence parallelism all of it / t; selective
+    recomputation drops the 5as/h of the attention core; full keeps only the layer's input, 2sbh.
+
+    Here, in elements of `act_bytes` (measured on the tiny model: SavedActivations), per layer:
+        the two LayerNorms' inputs                                                    2 s b h   (/t under SP)
+        their outputs, as c_attn and c_fc keep them (under SP: after the all-gather)    2 s b h
+        q, k, v (the attention's saved input) 3, the attention output (c_proj's input,
+        the same buffer) 1, GELU's input 4 and output 4 (the MLP is 4h wide)         12 s b h / t
+        the softmax probabilities, math backend only (flash kernels keep none)        a s^2 b / t
+        dropout masks (dropout > 0): 1 byte for each of the two residual dropouts      2 s b     (/t under SP)
+    selective recomputation drops the probabilities (and the kernels' logsumexp); with a flash kernel
+    that is all it can drop, so it saves nothing here but costs nearly nothing either. Full keeps the
+    block input alone: s b h (/t under SP), a factor of 16 on the flash path. (Megatron-LM also keeps
+    the column-parallel inputs sequence-sharded under SP and all-gathers them again in the backward:
+    2 s b h (1 - 1/t) less, not done here.) What LayerNorm and the
+    kernels keep per row (mean, rstd, logsumexp: (4 + a/t) s b floats) is under 1% at these widths and
+    is left out."""
+    s, b, h, a, t = seq_len, micro_batch, cfg.n_embd, cfg.n_head, tp
+    replicated = s * b * h / t if sp else s * b * h  # what tensor parallelism alone does not split
+    if recompute == "full":
+        ours = replicated * act_bytes
+    else:
+        ours = act_bytes * (2 * replicated + 2 * s * b * h + 12 * s * b * h / t)
+        ours += act_bytes * a * s * s * b / t if attn == "math" and recompute != "selective" else 0
+        ours += 2 * replicated / h if cfg.dropout > 0 else 0
+    sbh, scores = s * b * h, (0 if recompute == "selective" else 5 * a * s / h)
+    paper = sbh * (34 + scores) / t if sp else sbh * (10 + 24 / t + scores / t)
+    return ours, (2 * replicated if recompute == "full" else paper)
+
+
+class SavedActivations:
+    """Counts, on any device, the bytes autograd saves for the backward during the first forward of
+    this rank's blocks: every tensor packed while a block runs, plus a block's input wherever it is
+    saved (--recompute full saves it outside the block). Weights are not activations (their storage
+    is a parameter's); views of one buffer count once. On a GPU, `allocated` is the allocator's view of
+    the same span: the bytes still held after the blocks' forward that were not held before it."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device):
+        self.blocks, self.device = list(model.transformer.h), device
+        self.calls, self.inside, self.counting, self.saved, self.inputs, self.weights = 0, False, False, {}, set(), set()
+        self.allocated = None
+        self.handles = [b.register_forward_pre_hook(self._enter) for b in self.blocks]
+        self.handles += [b.register_forward_hook(self._leave) for b in self.blocks]
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def __enter__(self):
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.hooks.__exit__(*exc)
+        for h in self.handles:
+            h.remove()
+
+    def _enter(self, module, args):
+        self.calls += 1  # (pack hooks run with grad mode off: decide here whether this forward counts)
+        self.counting = self.calls <= len(self.blocks) and not in_backward()  # (--recompute full: no_grad here)
+        if self.counting:
+            self.inside = True
+            self.inputs.add(args[0].untyped_storage().data_ptr())
+            self.weights |= {p.untyped_storage().data_ptr() for p in module.parameters()}
+            if self.calls == 1 and self.device.type == "cuda":
+                self.allocated = -torch.cuda.memory_allocated(self.device)
+
+    def _leave(self, module, args, out):
+        self.inside = False
+        if self.calls == len(self.blocks) and self.device.type == "cuda" and self.allocated is not None \
+                and not in_backward():
+            self.allocated += torch.cuda.memory_allocated(self.device)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if self.counting and (self.inside or ptr in self.inputs) and ptr not in self.weights:
+            self.saved[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    @property
+    def per_layer(self) -> float:
+        return sum(self.saved.values()) / len(self.blocks)
+
+
+def memory_report(state: dict[str, int], formula: dict, acts: SavedActivations, predicted: tuple[float, float],
+                  grid: Grid, zero: int, recompute: str) -> str:
+    """This rank's memory, measured next to the formulas; one block per rank."""
+    lines = [f"memory on rank {grid.rank} (dp {grid.dp_rank}, tp {grid.tp_rank}, pp {grid.pp_rank}), ZeRO stage {zero}, "
+             f"N = dp = {grid.dp}:", f"  {'':<12}{'measured bytes':>16}{'formula':>16}  {'':<10}match"]
+    for kind, measured in state.items():
+        value, text = formula[kind]
+        lines.append(f"  {kind:<12}{measured:>16,}{value:>16,.0f}  {text:<10}{'yes' if measured == value else 'NO'}")
+    ours, paper = predicted
+    lines.append(f"  activations saved per layer and micro-batch (--recompute {recompute}): measured "
+                 f"{acts.per_layer:,.0f}, formula {ours:,.0f} ({acts.per_layer / ours:.1%}); Korthikanti et al. "
+                 f"(16-bit, dropout masks) {paper:,.0f}")
+    if acts.allocated is not None:
+        lines.append(f"  allocator: {acts.allocated:,} bytes more held after the blocks' forward than before it")
+    lines.append("  ZeRO paper (16-bit weights and gradients, K = 12): 2Ψ+2Ψ+12Ψ (no ZeRO), 2Ψ+2Ψ+12Ψ/N (1), "
+                 "2Ψ+(2Ψ+12Ψ)/N (2), (2Ψ+2Ψ+12Ψ)/N (3)")
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------- planning a run on paper

@@ -104,6 +104,7 @@ class Run:
     sync: gradients.GradSync | None = None  # data-parallel gradient averaging
     pipe: pipeline.Pipeline | None = None  # this rank's pipeline stage, when --pp > 1
     gather: zero.ParamGather | None = None  # ZeRO-3's weight gathering, when --zero 3
+    memory: dict | None = None  # --memory-report: what the first step measured ("state", "activations")
     step: int = 0
     skip_batches: list = field(default_factory=list)  # global batch numbers the spike guard skips
     batches_drawn: int = 0
@@ -266,6 +267,8 @@ def train_step(run: Run) -> dict:
         run.guard.record(loss.item())
     if not spike:
         run.scaler.update(overflow=not finite)
+    if run.memory is not None and "state" not in run.memory:  # reduced gradients, optimizer state created
+        run.memory["state"] = formulas.state_memory(run.model, run.opt, run.sync)
     if run.sync is not None:  # gradients live in its buckets (ZeroAdamW.zero_grad is this too)
         run.sync.zero_grad()
     else:
@@ -394,7 +397,12 @@ def train(run: Run) -> dict:
         try:
             while run.step < cfg.max_steps:
                 t0 = time.perf_counter()
-                row = train_step(run)
+                if cfg.memory_report and not last:  # the first step of this process: measure it
+                    run.memory = {"activations": formulas.SavedActivations(run.model, run.device)}
+                    with run.memory["activations"]:
+                        row = train_step(run)
+                else:
+                    row = train_step(run)
                 if row.pop("spike"):
                     roll_back(run, row, metrics)
                     bar.n = run.step
@@ -482,7 +490,11 @@ def first_step_reports(run: Run) -> list[str]:
                    + ("" if cfg.precision == "fp32" else " (the formula assumes fp32 activations)"))
         if run.sync is not None:
             out.append(formulas.overlap_report(run.sync))
+        if run.gather is not None:
+            out.append(run.gather.prefetch_report())
         out.append(formulas.zero_memory_report(run.opt, run.model, grid))
+    if cfg.memory_report:
+        out.append(memory_report(run))
     if cfg.print_schedule and run.pipe:
         ops = run.pipe.all_stage_ops()
         peaks = torch.zeros(grid.pp, dtype=torch.long, device=grid.device)
@@ -491,6 +503,21 @@ def first_step_reports(run: Run) -> list[str]:
                    + pipeline.draw_schedule(ops) + "\nmicro-batches of activations held at once, by stage: "
                    + ", ".join(f"{s}: {int(n)}" for s, n in enumerate(peaks)))
     return out if grid.is_logger else []
+
+
+def memory_report(run: Run) -> str:
+    """--memory-report: every rank's lines, gathered to rank 0 (one rank's memory is not another's)."""
+    cfg, grid = run.cfg, run.grid
+    if run.gather is not None and not run.gather.all_free():
+        raise RuntimeError("ZeRO-3 left weights gathered after the step")  # a leak the report would hide
+    elem = (stability.PRECISIONS[cfg.precision].compute or torch.float32).itemsize
+    predicted = formulas.activation_formula(run.model_cfg, cfg.seq_len, cfg.micro_batch_size, grid.tp, grid.sp,
+                                            cfg.recompute, cfg.attn, elem)
+    text = formulas.memory_report(run.memory["state"], formulas.state_formula(run.model, run.opt, run.sync, grid),
+                                  run.memory["activations"], predicted, grid, cfg.zero, cfg.recompute)
+    texts = [None] * grid.world
+    torch.distributed.all_gather_object(texts, text) if grid.world > 1 else texts.__setitem__(0, text)
+    return "\n".join(texts)
 
 
 def roll_back(run: Run, row: dict, metrics: rundir.Metrics) -> None:

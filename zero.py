@@ -39,6 +39,8 @@ import torch
 from gradients import Bucket, GradSync
 from parallel import Grid, peer_call
 
+EVENTS_KEPT = 4096  # ParamGather's timeline: about 4 events per unit and use, so the first steps
+
 
 class ZeroAdamW:
     """The sharded optimizer of ZeRO stages 1-3 (section 5.1): rank r keeps the fp32 master weights,
@@ -67,7 +69,7 @@ class ZeroAdamW:
                 decay[off:off + p.numel()] = weight_decay if p.dim() >= 2 else 0.0
             s = slice(*b.shard_range(self.grid.dp_rank))
             if self.stage == 3:  # this rank keeps its shard of the weights, nothing more
-                flat = b.param_shard = master[s].to(param_dtype)
+                flat = b.param_shard = master[s].to(param_dtype, copy=True)  # not a view: master goes
                 for p in b.params:
                     p.data = placeholder(p.shape, param_dtype, b.device)
             else:
@@ -193,6 +195,11 @@ class ParamGather:
         sync.on_reduced = lambda b: self.free(self.units.index(b))
         self.last = last
 
+    def record(self, what: str, i: int) -> None:
+        """Keep the first few thousand events: the first steps are what prefetch_report reads."""
+        if len(self.events) < EVENTS_KEPT:
+            self.events.append((what, i, time.perf_counter()))
+
     def _next(self, i: int) -> int | None:
         """The unit to prefetch while unit i runs: the next in the forward (the root, for the head,
         after the last block), the previous in a backward (no further than block 0)."""
@@ -207,7 +214,7 @@ class ParamGather:
             return
         full = torch.empty(u.padded, dtype=u.param_shard.dtype, device=u.device)
         u.gathering = full, self.grid.all_gather(full, u.param_shard, "dp", async_op=True)
-        self.events.append(("gather", i, time.perf_counter()))
+        self.record("gather", i)
 
     def wait(self, i: int) -> None:
         u = self.units[i]
@@ -220,7 +227,7 @@ class ParamGather:
         u.full, u.gathering = full, None
         for p, view in u.views(full):
             p.data = view
-        self.events.append(("ready" if not landed else "ready (landed early)", i, time.perf_counter()))
+        self.record("ready" if not landed else "ready (landed early)", i)
 
     def use(self, i: int, prefetch: int | None) -> None:
         """Before unit i computes: its weights whole, the next unit's on their way."""
@@ -228,7 +235,7 @@ class ParamGather:
         self.wait(i)
         if prefetch is not None:
             self.gather(prefetch)
-        self.events.append(("compute", i, time.perf_counter()))
+        self.record("compute", i)
 
     def free(self, i: int) -> None:
         u = self.units[i]
@@ -236,7 +243,7 @@ class ParamGather:
         u.full = None
         for p in u.params:
             p.data = placeholder(p.shape, u.param_shard.dtype, u.device)
-        self.events.append(("free", i, time.perf_counter()))
+        self.record("free", i)
 
     def _after_block(self, i: int, out: torch.Tensor):
         if in_backward():  # a recomputed forward (--recompute full): its backward follows at once
