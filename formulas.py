@@ -4,7 +4,8 @@
                layer, one activation per micro-batch between stages, the gradient volume) —
                `comm_report` puts them beside the bytes `Grid` counted
     overlap    when each gradient bucket's collective started, relative to the end of backward
-    memory     ZeRO's K = 12 bytes of optimizer state per parameter, / dp under stage 1
+    memory     weights, gradients and optimizer state against ZeRO's 2Ψ + 2Ψ + 12Ψ (each / dp from
+               its stage on), saved activations against Korthikanti et al.'s s b h (34 + 5 a s / h)
     plan       a whole run on paper: memory, traffic and time of any layout (lesson 11)
     peak       the FLOP/s an MFU is measured against: a table for GPUs, a measured matmul on CPU;
                and the peak bytes a piece of work allocates, measured
@@ -266,7 +267,8 @@ class SavedActivations:
 
     def __init__(self, model: torch.nn.Module, device: torch.device):
         self.blocks, self.device = list(model.transformer.h), device
-        self.calls, self.inside, self.counting, self.saved, self.inputs, self.weights = 0, False, False, {}, set(), set()
+        self.calls, self.inside, self.counting = 0, False, False
+        self.saved, self.inputs, self.weights = {}, set(), set()  # storage -> bytes; storages of inputs, weights
         self.allocated = None
         self.handles = [b.register_forward_pre_hook(self._enter) for b in self.blocks]
         self.handles += [b.register_forward_hook(self._leave) for b in self.blocks]
@@ -311,8 +313,9 @@ class SavedActivations:
 def memory_report(state: dict[str, int], formula: dict, acts: SavedActivations, predicted: tuple[float, float],
                   grid: Grid, zero: int, recompute: str) -> str:
     """This rank's memory, measured next to the formulas; one block per rank."""
-    lines = [f"memory on rank {grid.rank} (dp {grid.dp_rank}, tp {grid.tp_rank}, pp {grid.pp_rank}), ZeRO stage {zero}, "
-             f"N = dp = {grid.dp}:", f"  {'':<12}{'measured bytes':>16}{'formula':>16}  {'':<10}match"]
+    lines = [f"memory on rank {grid.rank} (dp {grid.dp_rank}, tp {grid.tp_rank}, pp {grid.pp_rank}), "
+             f"ZeRO stage {zero}, N = dp = {grid.dp}:",
+             f"  {'':<12}{'measured bytes':>16}{'formula':>16}  {'':<10}match"]
     for kind, measured in state.items():
         value, text = formula[kind]
         lines.append(f"  {kind:<12}{measured:>16,}{value:>16,.0f}  {text:<10}{'yes' if measured == value else 'NO'}")
@@ -344,7 +347,7 @@ def state_bytes(n_params: float, dp: int, zero: int = 1, grad_bytes: int = 4) ->
 
 def plan(n_layer: int, n_head: int, d_model: int, vocab: int, seq_len: int, batch: int, n_gpus: int,
          tp: int = 1, pp: int = 1, micro_batch: int = 1, zero: int = 1, tokens: float = 0.0,
-         mfu: float = 0.40, peak_flops: float = 989e12, grad_bytes: int = 4,
+         mfu: float = 0.40, peak_flops: float = 989e12, grad_bytes: int = 4, recompute: str = "selective",
          nvlink_bw: float = 450e9, net_bw: float = 50e9) -> dict:
     """One training run of a dense GPT-2-shaped model, on paper: what each GPU holds, what it sends
     per optimizer step, and how long `tokens` take at an assumed model-FLOPs utilization `mfu`.
@@ -355,16 +358,20 @@ def plan(n_layer: int, n_head: int, d_model: int, vocab: int, seq_len: int, batc
                 without the final LayerNorm); FLOPs use the 12 L d^2 + V d in matmuls:
                 6 N + 12 L H Q T per token (PaLM, appendix B; model.flops_per_token)
     memory      state_bytes() on the N / (tp pp) parameters this GPU holds, plus activations with
-                sequence parallelism and selective recomputation (flash attention keeps no s x s
-                scores): 34 s b d / tp bytes per layer and micro-batch (Korthikanti et al. 2022,
-                table 2); under 1F1B the first stage keeps min(pp, m) micro-batches of L/pp layers.
+                sequence parallelism, per layer and micro-batch (Korthikanti et al. 2022, table 2):
+                34 s b d / tp bytes with `recompute="selective"` (or a flash kernel: no s x s scores),
+                s b d (34 + 5 a s / d) / tp with "none", 2 s b d / tp with "full" (only each layer's
+                input; the backward pays one more forward, 8N instead of 6N FLOPs per token, which
+                the assumed MFU must absorb); under 1F1B the first stage keeps min(pp, m)
+                micro-batches of L/pp layers.
     traffic     bytes one GPU sends per step with ring collectives (2(n-1)/n of an all-reduced buffer):
                 tp  4 all-reduces (or all-gather + reduce-scatter pairs) of one bf16 s b d activation
                     per layer per micro-batch (Shoeybi et al. 2019, sec. 3), over NVLink;
                 pp  one activation forward, one gradient backward per micro-batch, s b d / tp each;
-                dp  ZeRO: reduce-scatter the gradients, all-gather bf16 weights (twice for stage 3);
-                    without it, all-reduce the gradients. Once per step: a ZeRO-2 that reduces after
-                    every micro-batch moves m times the gradient bytes.
+                dp  ZeRO: reduce-scatter the gradients, all-gather bf16 weights; without it,
+                    all-reduce the gradients; once per step. Stages 2 and 3 hold no whole gradient, so
+                    they reduce-scatter every micro-batch (m times), and stage 3 all-gathers the
+                    weights twice per micro-batch (zero_traffic: what train.py measures).
     time        flops / (n_gpus peak mfu). MFU is an assumption, measured elsewhere: it already pays
                 for the bubble and any communication that is not hidden."""
     dp = n_gpus // (tp * pp)
@@ -378,16 +385,19 @@ def plan(n_layer: int, n_head: int, d_model: int, vocab: int, seq_len: int, batc
     local = n_params / (tp * pp)  # the first and last stage also hold V d / tp of embedding: ignored
     weights, grads, optimizer = state_bytes(local, dp, zero, grad_bytes)
     m, layers = batch // (dp * b), -(-L // pp)  # micro-batches per pipeline and step; layers per stage
-    activations = 34 * s * b * d / tp * layers * min(pp, m)
+    per_layer = {"full": 2, "selective": 34, "none": 34 + 5 * n_head * s / d}[recompute] * s * b * d / tp
+    activations = per_layer * layers * min(pp, m)
     act = 2 * s * b * d  # one bf16 activation, bytes
 
     def ring(n):  # the fraction of a buffer each rank sends in a ring reduce-scatter or all-gather
         return (n - 1) / n
 
-    gathers = 2 if zero >= 3 else 1  # stage 3 all-gathers the weights again for the backward
-    comm = {"tp": 4 * layers * m * act * 2 * ring(tp),  # an all-reduce = reduce-scatter + all-gather
+    reduces = m if zero >= 2 else 1  # stages 2 and 3 reduce-scatter every micro-batch's gradients
+    gathers = 2 * m if zero >= 3 else 1  # stage 3 all-gathers the weights for each forward and backward
+    again = 2 * layers * m * act * 2 * ring(tp) if recompute == "full" else 0  # the recomputed forward's pairs
+    comm = {"tp": 4 * layers * m * act * 2 * ring(tp) + again,  # an all-reduce = reduce-scatter + all-gather
             "pp": 2 * m * act / tp if pp > 1 else 0.0,
-            "dp": (local * (grad_bytes + 2 * gathers) if zero else 2 * local * grad_bytes) * ring(dp)}
+            "dp": (local * (grad_bytes * reduces + 2 * gathers) if zero else 2 * local * grad_bytes) * ring(dp)}
     step_s = flops_per_token * batch * s / (n_gpus * peak_flops * mfu)
     seconds = tokens / (batch * s) * step_s
     return {"params": n_params, "flops_per_token": flops_per_token, "dp": dp, "tp": tp, "pp": pp,

@@ -176,4 +176,7 @@ def test_recomputation_saves_the_activations_the_formula_predicts(attn):
         assert measured[mode] == pytest.approx(predicted[mode], rel=0.1), mode
     assert measured["none"] / measured["full"] == pytest.approx(predicted["none"] / predicted["full"], rel=0.1)
     assert predicted["none"] / predicted["full"] == (18 if attn == "math" else 16)  # 16 s b h (+ a s^2 b) vs s b h
-    assert measured["none"] > 1.1 * measured["selective"] if attn == "math" else measured["none"] >= measured["selective"]
+    if attn == "math":  # the probabilities are 2 of the 18
+        assert measured["none"] > 1.1 * measured["selective"]
+    else:
+        assert measured["none"] >= measured["selective"]

@@ -115,3 +115,19 @@ def test_format_plan_prints_every_section():
     text = formulas.format_plan(formulas.plan(32, 32, 4096, 32000, 4096, 1024, 64, tokens=2e12))
     for word in ("model", "layout", "memory", "traffic", "time", "budget", "GPU-hours"):
         assert word in text
+
+
+def test_zero3_moves_one_and_a_half_times_the_bytes_and_recomputation_keeps_one_input_per_layer():
+    """ZeRO section 7: stage 3 all-gathers the 16-bit weights twice and reduce-scatters the 16-bit
+    gradients once: 3Ψ against an all-reduce's 2Ψ. Korthikanti et al.: full recomputation keeps 2 s b h
+    per layer of the 34 s b h that selective keeps; and its forward runs twice, tensor-parallel pairs too."""
+    shape = dict(n_layer=32, n_head=32, d_model=4096, vocab=32000, seq_len=4096, batch=64, n_gpus=64,
+                 micro_batch=1, grad_bytes=2)  # one micro-batch per step on each of 64 data-parallel ranks
+    dp = {z: formulas.plan(zero=z, **shape)["comm"]["dp"] for z in range(4)}
+    assert dp[1] == dp[2] == dp[0] and dp[3] == pytest.approx(1.5 * dp[0])
+    accum = dict(shape, batch=256)  # 4 micro-batches: stage 2 reduce-scatters each, stage 3 gathers twice each
+    assert formulas.plan(zero=2, **accum)["comm"]["dp"] > 2 * formulas.plan(zero=1, **accum)["comm"]["dp"]
+    full, selective = (formulas.plan(tp=8, n_gpus=64, recompute=r, **{k: v for k, v in shape.items()
+                                                                     if k != "n_gpus"}) for r in ("full", "selective"))
+    assert full["memory"]["activations"] == pytest.approx(selective["memory"]["activations"] * 2 / 34)
+    assert full["comm"]["tp"] == pytest.approx(1.5 * selective["comm"]["tp"])

@@ -224,7 +224,7 @@ class StepOnly:
     def __init__(self, model, precision: str, micro_batch_size: int):
         self.model, self.precision, self.device = model, stability.PRECISIONS[precision], torch.device("cpu")
         self.cfg = config.TrainConfig(micro_batch_size=micro_batch_size)
-        self.scaler, self.pipe, self.sync = stability.LossScaler(False), None, None
+        self.scaler, self.pipe, self.sync, self.gather = stability.LossScaler(False), None, None, None
 
     @property
     def autocast(self):
