@@ -295,14 +295,20 @@ class SavedActivations:
 
     def _leave(self, module, args, out):
         self.inside = False
-        if self.calls == len(self.blocks) and self.device.type == "cuda" and self.allocated is not None \
-                and not in_backward():
-            self.allocated += torch.cuda.memory_allocated(self.device)
+        if self.calls == len(self.blocks) and self.counting:  # the first forward's last block is done
+            # with grad mode on, nothing after it is a block's; under --recompute full (grad mode off in
+            # here) the last block's input is saved only once its Recompute returns: count that one too
+            self.counting = not torch.is_grad_enabled()
+            if self.device.type == "cuda" and self.allocated is not None:
+                self.allocated += torch.cuda.memory_allocated(self.device)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         ptr = t.untyped_storage().data_ptr()
-        if self.counting and (self.inside or ptr in self.inputs) and ptr not in self.weights:
-            self.saved[ptr] = t.untyped_storage().nbytes()
+        if self.counting and not in_backward() and (self.inside or ptr in self.inputs):
+            if ptr not in self.weights:
+                self.saved[ptr] = t.untyped_storage().nbytes()
+        if not self.inside and self.calls >= len(self.blocks):
+            self.counting = False  # past the blocks: a freed input's address may be reused from here on
         return t
 
     @property
