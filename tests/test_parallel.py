@@ -46,17 +46,15 @@ LAYOUTS = {
     "dp2": (2, []),
     "dp4-accum": (4, ["--micro-batch-size", "1"]),
     "dp2-zero1": (2, ["--zero", "1", "--bucket-mb", "0.05"]),
-    "dp2-zero2": (2, ["--zero", "2", "--bucket-mb", "0.05"]),
+    "dp2-zero2-accum": (2, ["--zero", "2", "--bucket-mb", "0.05", "--micro-batch-size", "2"]),
     "dp4-zero2-accum": (4, ["--zero", "2", "--micro-batch-size", "1"]),
     "dp2-zero3-accum-recompute-full": (2, ["--zero", "3", "--micro-batch-size", "2", "--recompute", "full"]),
     "dp4-zero3-accum": (4, ["--zero", "3", "--micro-batch-size", "1"]),
     "tp2xdp2-sp-zero3": (4, ["--tp", "2", "--sp", "--zero", "3", "--micro-batch-size", "2"]),
     "tp2": (2, ["--tp", "2"]),
-    "tp4": (4, ["--tp", "4"]),
     "tp2-sp": (2, ["--tp", "2", "--sp"]),
     "tp4-sp": (4, ["--tp", "4", "--sp", "--micro-batch-size", "4"]),
     "tp2xdp2": (4, ["--tp", "2", "--micro-batch-size", "2"]),
-    "pp2-gpipe": (2, ["--pp", "2", "--pp-schedule", "gpipe", "--micro-batch-size", "2"]),
     "pp2-1f1b": (2, ["--pp", "2", "--micro-batch-size", "1"]),
     "pp4-1f1b": (4, ["--pp", "4", "--micro-batch-size", "1"]),
     "pp4-gpipe": (4, ["--pp", "4", "--pp-schedule", "gpipe", "--micro-batch-size", "2"]),
@@ -94,13 +92,13 @@ def memory_lines(out: str, kind: str) -> list[str]:
 
 
 @pytest.mark.parametrize("nproc,flags,terms", [
-    (2, ["--zero", "1"], ("4Ψ", "4Ψ", "12Ψ/N")),
     (2, ["--zero", "2", "--precision", "bf16"], ("2Ψ", "4Ψ/N", "12Ψ/N")),
     (4, ["--zero", "3", "--tp", "2", "--sp", "--comm-report"], ("4Ψ/N", "4Ψ/N", "12Ψ/N")),
-], ids=["zero1", "zero2-bf16", "zero3-tp2-sp"])
+], ids=["zero2-bf16", "zero3-tp2-sp"])
 def test_memory_report_is_the_zero_formulas_on_every_rank(nproc, flags, terms, corpus, tmp_path):
     """Measured bytes of the buffers that hold weights, gradients and optimizer state equal ZeRO's
-    formulas exactly on every rank; the saved activations are within 10% of ours."""
+    formulas exactly on every rank; the saved activations are within 10% of ours. (Stage 1: the
+    bf16 test below; tp 4 alone is inside tp4-sp, GPipe inside pp4-gpipe.)"""
     out = run_train(corpus, tmp_path, "--max-steps", "1", "--memory-report", *flags, nproc=nproc).stdout
     for kind, term in zip(("weights", "gradients", "optimizer"), terms):
         lines = memory_lines(out, kind)
