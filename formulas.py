@@ -224,7 +224,7 @@ def state_formula(model: torch.nn.Module, opt, sync: GradSync | None, grid: Grid
 
 
 def activation_formula(cfg: gpt.GPTConfig, seq_len: int, micro_batch: int, tp: int, sp: bool, recompute: str,
-                       attn: str, act_bytes: int) -> tuple[float, float]:
+                       attn: str, act_bytes: int, mask_bytes: int = 1) -> tuple[float, float]:
     """(this codebase's bytes, Korthikanti's bytes) of activations one layer saves for its backward,
     per micro-batch. Korthikanti et al. 2022 (section 4, table 2), 16-bit activations, 1-byte dropout
     masks: s b h (34 + 5 a s / h) per layer; with tensor parallelism t, 10 + 24/t + 5as/(ht) (the
@@ -237,7 +237,8 @@ def activation_formula(cfg: gpt.GPTConfig, seq_len: int, micro_batch: int, tp: i
         q, k, v (the attention's saved input) 3, the attention output (c_proj's input,
         the same buffer) 1, GELU's input 4 and output 4 (the MLP is 4h wide)         12 s b h / t
         the softmax probabilities, math backend only (flash kernels keep none)        a s^2 b / t
-        dropout masks (dropout > 0): 1 byte for each of the two residual dropouts      2 s b     (/t under SP)
+        dropout masks (dropout > 0), two residual dropouts of `mask_bytes` per element   2 s b h   (/t under SP)
+          (CUDA's fused dropout keeps a 1-byte mask; the CPU's keeps it in the activations' dtype)
     selective recomputation drops the probabilities (and the kernels' logsumexp); with a flash kernel
     that is all it can drop, so it saves nothing here but costs nearly nothing either. Full keeps the
     block input alone: s b h (/t under SP), a factor of 16 on the flash path. (Megatron-LM also keeps
@@ -252,7 +253,7 @@ def activation_formula(cfg: gpt.GPTConfig, seq_len: int, micro_batch: int, tp: i
     else:
         ours = act_bytes * (2 * replicated + 2 * s * b * h + 12 * s * b * h / t)
         ours += act_bytes * a * s * s * b / t if attn == "math" and recompute != "selective" else 0
-        ours += 2 * replicated / h if cfg.dropout > 0 else 0
+        ours += 2 * replicated * mask_bytes if cfg.dropout > 0 else 0
     sbh, scores = s * b * h, (0 if recompute == "selective" else 5 * a * s / h)
     paper = sbh * (34 + scores) / t if sp else sbh * (10 + 24 / t + scores / t)
     return ours, (2 * replicated if recompute == "full" else paper)

@@ -59,7 +59,7 @@ def make_optimizer(model: torch.nn.Module, cfg: config.TrainConfig, device: torc
     --zero the same update runs on this rank's shard only (zero.ZeroAdamW)."""
     if cfg.zero:
         return zero.ZeroAdamW(sync, cfg.lr, (0.9, 0.95), 1e-8, cfg.weight_decay,
-                                   stability.PRECISIONS[cfg.precision].params)
+                              stability.PRECISIONS[cfg.precision].params)
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
@@ -512,11 +512,13 @@ def memory_report(run: Run) -> str:
         raise RuntimeError("ZeRO-3 left weights gathered after the step")  # a leak the report would hide
     elem = (stability.PRECISIONS[cfg.precision].compute or torch.float32).itemsize
     predicted = formulas.activation_formula(run.model_cfg, cfg.seq_len, cfg.micro_batch_size, grid.tp, grid.sp,
-                                            cfg.recompute, cfg.attn, elem)
+                                            cfg.recompute, cfg.attn, elem, 1 if run.device.type == "cuda" else elem)
     text = formulas.memory_report(run.memory["state"], formulas.state_formula(run.model, run.opt, run.sync, grid),
                                   run.memory["activations"], predicted, grid, cfg.zero, cfg.recompute)
+    if grid.world == 1:
+        return text
     texts = [None] * grid.world
-    torch.distributed.all_gather_object(texts, text) if grid.world > 1 else texts.__setitem__(0, text)
+    torch.distributed.all_gather_object(texts, text)  # text, once, after the step: not counted traffic
     return "\n".join(texts)
 
 
