@@ -298,7 +298,7 @@ class Saver:
             files.update(info["files"])
             tensors += info["tensors"]
         manifest = storage.seal({"format": storage.FORMAT, "version": storage.VERSION, "run": self.run, "step": step,
-                                 "meta": meta, "layout": {"dp": g.dp, "tp": g.tp, "pp": g.pp}, "files": files,
+                                 "meta": meta, "layout": layout_of(g), "files": files,
                                  "tensors": tensors})
         storage.write_durably(tmp / "manifest.json", json.dumps(manifest, indent=1).encode())
         storage.fsync_dir(tmp)
@@ -515,7 +515,8 @@ def consolidate(path: Path) -> dict[str, torch.Tensor]:
 
 
 def layout_of(grid) -> dict:
-    return {"dp": grid.dp, "tp": grid.tp, "pp": grid.pp}
+    cp = {"cp": grid.cp} if grid.cp > 1 else {}  # absent at 1: checkpoints from before cp compare equal
+    return {"dp": grid.dp, "tp": grid.tp, "pp": grid.pp, **cp}
 
 
 def local_part(full: torch.Tensor, p: torch.Tensor, dtype: torch.dtype | None = None,

@@ -100,11 +100,16 @@ class TrainConfig:
                          "rank:R:step:N"))
     poison_step: int = arg(-1, "fault injection for tests: replace batch N (the one step N + 1 draws) with one "
                            "rare token repeated (-1: off)", at_least(-1))
-    # parallelism (launch with torchrun; data-parallel degree = processes / (tp * pp))
+    # parallelism (launch with torchrun; data-parallel degree = processes / (tp * cp * pp))
     tp: int = arg(1, "tensor-parallel degree (ranks that split each layer)", at_least(1))
     pp: int = arg(1, "pipeline-parallel degree (stages of layers)", at_least(1))
     sp: bool = arg(False, "sequence parallelism: shard LayerNorm/dropout activations along the sequence "
                    "across the tensor-parallel ranks")
+    cp: int = arg(1, "context-parallel degree: ranks that each keep a slice of every sequence (context.py)",
+                  at_least(1))
+    cp_attn: str = arg("ring", "how attention sees the whole sequence under --cp: ring (keys and values passed "
+                       "around the cp ranks) or ulysses (all-to-all to whole sequences of fewer heads)",
+                       choices=["ring", "ulysses"])
     pp_schedule: str = arg("1f1b", "pipeline schedule", choices=list(pipeline.SCHEDULES))
     zero: int = arg(0, "ZeRO stage: shard across the data-parallel ranks 1: the optimizer state, 2: and the "
                     "gradients (reduce-scattered every backward), 3: and the weights (gathered per block, "

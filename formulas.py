@@ -81,10 +81,13 @@ def expected_traffic(cfg: gpt.GPTConfig, grid: Grid, micro_batch: int, n_micro: 
     micro-batch each way between pipeline stages, and the data-parallel gradient volume. Under
     --recompute full the backward runs each block's forward again, collectives included (Megatron's
     full recomputation costs 2 more all-reduces per layer); the selective kind recomputes only the
-    attention core, which communicates nothing."""
+    attention core, which communicates nothing, except under context parallelism (context_traffic).
+    A context-parallel rank holds seq_len / cp tokens of every activation."""
     e, sp = defaultdict(int), grid.sp
     first, last = grid.first_stage, grid.last_stage
     layers = len(stage_layers(cfg.n_layer, grid.pp, grid.pp_rank))
+    embedded = micro_batch * seq_len * cfg.n_embd * 4  # the embedding sees whole sequences: cp splits after it
+    seq_len //= grid.cp
     btc, bt = micro_batch * seq_len * cfg.n_embd * 4, micro_batch * seq_len * 4
     if grid.tp > 1:
         per_micro = defaultdict(int)
@@ -94,7 +97,7 @@ def expected_traffic(cfg: gpt.GPTConfig, grid: Grid, micro_batch: int, n_micro: 
             per_micro[("reduce_scatter", "tp")] += 4 * layers * btc + again + (btc if last else 0)
         else:
             per_micro[("all_reduce", "tp")] += 4 * layers * btc + again + (btc if last else 0)
-        per_micro[("all_reduce", "tp")] += (btc if first else 0) + (3 * bt if last else 0)
+        per_micro[("all_reduce", "tp")] += (embedded if first else 0) + (3 * bt if last else 0)
         for k, v in per_micro.items():
             e[k] += n_micro * v
         if sp:  # LayerNorm and row-parallel bias gradients (under ZeRO, this rank's pieces), once per step
@@ -107,19 +110,36 @@ def expected_traffic(cfg: gpt.GPTConfig, grid: Grid, micro_batch: int, n_micro: 
         if first or last:
             e[("all_reduce", "embed")] += 4 * (gradients.tied_grad(model, grid, sync).numel() if sync and sync.zero
                                                else cfg.padded_vocab // grid.tp * cfg.n_embd)
-    if sync is not None and grid.dp > 1:
+    if grid.cp > 1:
+        for k, v in context_traffic(grid, layers * btc // grid.tp, cfg.recompute).items():
+            e[k] += n_micro * v
+    if sync is not None and grid.dp_cp > 1:
         e.update(zero_traffic(sync, n_micro, next(model.parameters()).element_size()))
-    for group in ("tp", "pp") + (("dp",) if sync is not None and sync.zero else ()):
+    for group in ("tp", "pp") + (("dp_cp",) if sync is not None and sync.zero else ()):
         if grid.size(group) > 1:
             e[("all_reduce", group)] += 4  # the squared gradient norm
-    for group in ("pp", "dp"):
+    for group in ("pp", "dp_cp"):
         if grid.size(group) > 1:
             e[("all_reduce", group)] += 4  # the loss, for logging and the guards
-    return dict(e)
+    return {(op, grid.label(group)): v for (op, group), v in e.items()}
+
+
+def context_traffic(grid: Grid, act: int, recompute: str) -> dict:
+    """Bytes one micro-batch's context-parallel attention sends from this rank, `act` being the bytes of
+    one (b, s/cp, h/tp) activation summed over this stage's layers (context.py's docstring):
+        ring     forward: cp-1 hops of K and V (2 act each); backward: cp-1 hops of K and V, and cp hops
+                 of dK and dV (fp32, the last one home)
+        ulysses  forward: an all-to-all of q, k, v (3 act) and one of the output (act); backward the same
+    Recomputation (either kind) runs the attention core's forward once more in the backward."""
+    again = recompute != "none"
+    if grid.cp_attn == "ulysses":
+        return {("all_to_all", "cp"): (2 + again) * 4 * act}
+    hops = grid.cp - 1
+    return {("send", "cp"): (1 + again) * hops * 2 * act + (hops + grid.cp) * 2 * act}
 
 
 def zero_traffic(sync: GradSync, n_micro: int, weight_bytes: int) -> dict:
-    """The data-parallel bytes of one step, by ZeRO stage, for Ψ parameters in fp32 gradient buckets
+    """The data-parallel bytes of one step (over dp x cp ranks), by ZeRO stage, for Ψ parameters in fp32 gradient buckets
     (padded to dp shards under ZeRO) and weights of `weight_bytes` each:
         0  all-reduce 4Ψ, once per step
         1  reduce-scatter 4Ψ once, all-gather the new weights once: the same ring bytes as stage 0
@@ -127,17 +147,18 @@ def zero_traffic(sync: GradSync, n_micro: int, weight_bytes: int) -> dict:
         3  reduce-scatter 4Ψ, and all-gather the weights twice (forward, backward), every micro-batch:
            with one micro-batch and 4-byte weights 12Ψ against stage 0's 8Ψ, ZeRO's 1.5x"""
     if not sync.zero:
-        return {("all_reduce", "dp"): 4 * sum(b.numel for b in sync.buckets)}
+        return {("all_reduce", "dp_cp"): 4 * sum(b.numel for b in sync.buckets)}
     padded = sum(b.padded for b in sync.buckets)
     reduces = 1 if sync.zero == 1 else n_micro
     gathers = 2 * n_micro if sync.zero == 3 else 1
-    return {("reduce_scatter", "dp"): reduces * 4 * padded, ("all_gather", "dp"): gathers * weight_bytes * padded}
+    return {("reduce_scatter", "dp_cp"): reduces * 4 * padded, ("all_gather", "dp_cp"): gathers * weight_bytes * padded}
 
 
 def comm_report(grid: Grid, expected: dict) -> str:
     """Measured bytes per (collective, group) next to the formula, and what a ring algorithm puts
     on each rank's link: 2(n-1)/n of the buffer for an all-reduce, (n-1)/n for the others."""
-    lines = [f"communication of one training step on rank {grid.rank} (dp {grid.dp_rank}, tp {grid.tp_rank}, "
+    cp = f"cp {grid.cp_rank}, " if grid.cp > 1 else ""
+    lines = [f"communication of one training step on rank {grid.rank} (dp {grid.dp_rank}, {cp}tp {grid.tp_rank}, "
              f"pp {grid.pp_rank}):",
              f"  {'collective':<15}{'group':<7}{'calls':>6}{'measured bytes':>16}{'formula':>14}  "
              f"{'match':<6}{'ring bytes/rank':>16}"]

@@ -92,10 +92,10 @@ class GradSync:
                  zero: int = 0, units: list[list[torch.nn.Parameter]] | None = None):
         self.grid, self.overlap, self.zero, self.require_backward_grad_sync = grid, overlap, zero, True
         groups = units[::-1] if units is not None else self._by_size(model, bucket_mb)
-        self.buckets = [Bucket(b, grid.dp if zero else 1, grid.device, persistent=zero < 2) for b in groups]
+        self.buckets = [Bucket(b, grid.dp_cp if zero else 1, grid.device, persistent=zero < 2) for b in groups]
         self.slot = {}
         for b in self.buckets:
-            lo, hi = b.shard_range(grid.dp_rank)
+            lo, hi = b.shard_range(grid.dp_cp_rank)
             if zero == 1:
                 b.shard_grad = b.main_grad[lo:hi]
             elif zero >= 2:
@@ -137,7 +137,7 @@ class GradSync:
         self.events.append(("launch", self.buckets.index(b), time.perf_counter()))
         if self.zero >= 2:  # reduce into a fresh shard; the whole buffer is let go once that is done
             shard = torch.empty(b.shard_size, device=b.device)
-            self.pending.append((b, shard, self.grid.reduce_scatter(shard, b.main_grad, "dp", async_op=True),
+            self.pending.append((b, shard, self.grid.reduce_scatter(shard, b.main_grad, "dp_cp", async_op=True),
                                  b.main_grad))
             b.main_grad, b.ready = None, 0
             if self.on_reduced is not None:
@@ -147,9 +147,9 @@ class GradSync:
             return
         if self.zero:  # each rank receives the sum of only its shard
             b.shard = torch.empty(b.shard_size, device=b.main_grad.device)
-            b.work = self.grid.reduce_scatter(b.shard, b.main_grad, "dp", async_op=True)
+            b.work = self.grid.reduce_scatter(b.shard, b.main_grad, "dp_cp", async_op=True)
         else:
-            b.work = self.grid.all_reduce(b.main_grad, "dp", async_op=True)
+            b.work = self.grid.all_reduce(b.main_grad, "dp_cp", async_op=True)
         b.launched = True
 
     def _receive(self) -> None:
@@ -174,9 +174,9 @@ class GradSync:
             if self.zero == 1:
                 b.shard_grad.copy_(b.shard)
             if self.zero:
-                b.shard_grad /= self.grid.dp
+                b.shard_grad /= self.grid.dp_cp
             else:
-                b.main_grad /= self.grid.dp
+                b.main_grad /= self.grid.dp_cp
                 for p, view in b.views(b.main_grad):
                     if p.dtype != view.dtype:
                         p.grad_dtype = None  # a bf16 parameter with an fp32 gradient: allowed on purpose
@@ -194,7 +194,7 @@ class GradSync:
     def shard_pieces(self):
         """ZeRO: (param, a, z, this rank's gradient of elements [a, z) of the param, flattened)."""
         for b in self.buckets:
-            lo, hi = b.shard_range(self.grid.dp_rank)
+            lo, hi = b.shard_range(self.grid.dp_cp_rank)
             for p, off, a, z in b.parts(lo, hi):
                 yield p, a - off, z - off, b.shard_grad[a - lo:z - lo]
 
@@ -269,6 +269,6 @@ def grad_norm(model: torch.nn.Module, grid: Grid, sync: GradSync | None = None) 
         for p in model.parameters():
             if p.grad is not None and grid.owns(p, replicated_over_dp=False):
                 sq += p.grad.float().pow(2).sum()
-    for group in ("tp", "pp") + (("dp",) if zero else ()):
+    for group in ("tp", "pp") + (("dp_cp",) if zero else ()):
         grid.all_reduce(sq, group)
     return sq.sqrt()

@@ -149,16 +149,20 @@ if triton is not None:
                  mask=offs_t[:, None] < T)
 
     @triton.jit
-    def _fwd_kv_loop(acc, l_i, m_i, q, K, V, skt, svt, offs_m, lo, hi, T, qk_scale,
-                     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
-        """Stream key/value blocks [lo, hi) past the query block, updating the online softmax."""
+    def _fwd_kv_loop(acc, l_i, m_i, q, K, V, skt, svt, offs_m, lo, hi, TK, qk_scale,
+                     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr):
+        """Stream key/value blocks [lo, hi) past the query block, updating the online softmax.
+        MASK: 0 none, 1 causal (only the diagonal block pays for it; it also hides keys >= TK),
+        2 only keys >= TK (the unmasked mode, whose last block may be partial)."""
         for start_n in range(lo, hi, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
-            k = _load_rows(K, skt, offs_n, T, HEAD_DIM)  # (BLOCK_N, D)
-            v = _load_rows(V, svt, offs_n, T, HEAD_DIM)  # (BLOCK_N, D)
+            k = _load_rows(K, skt, offs_n, TK, HEAD_DIM)  # (BLOCK_N, D)
+            v = _load_rows(V, svt, offs_n, TK, HEAD_DIM)  # (BLOCK_N, D)
             s = tl.dot(q, tl.trans(k)) * qk_scale  # (BLOCK_M, BLOCK_N) scores, in log2 units
-            if CAUSAL:  # only the diagonal block pays for the mask; it also hides keys >= T
+            if MASK == 1:
                 s = tl.where(offs_m[:, None] >= offs_n[None, :], s, float("-inf"))
+            if MASK == 2:
+                s = tl.where(offs_n[None, :] < TK, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every row sees at least key 0
             alpha = tl.math.exp2(m_i - m_new)  # rescales what was summed under the old max
             p = tl.math.exp2(s - m_new[:, None])  # (BLOCK_M, BLOCK_N)
@@ -170,29 +174,35 @@ if triton is not None:
     @triton.jit
     def _attn_fwd(Q, K, V, O, LSE,
                   sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot,
-                  H, T, sm_scale,
-                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        """One program: BLOCK_M queries of one (batch, head). Writes O and the base-2 lse of each row."""
+                  H, TQ, TK, sm_scale,
+                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+        """One program: BLOCK_M queries of one (batch, head). Writes O and the base-2 lse of each row.
+        CAUSAL (TQ == TK): the lower triangle. Otherwise every query sees all TK keys (ring attention's
+        blocks off the diagonal, context.py)."""
         # the last query blocks have the most keys to visit: launch them first so none is left at the end
         pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
         bh = tl.program_id(1)
         Q, K, V = _head(Q, sqb, sqh, bh, H), _head(K, skb, skh, bh, H), _head(V, svb, svh, bh, H)
         start_m = pid_m * BLOCK_M
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        q = _load_rows(Q, sqt, offs_m, T, HEAD_DIM)  # (BLOCK_M, D), stays in registers
+        q = _load_rows(Q, sqt, offs_m, TQ, HEAD_DIM)  # (BLOCK_M, D), stays in registers
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max
         l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(s - m_i)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)  # running unnormalized output
         qk_scale = sm_scale * LOG2E
-        # stage 1: key blocks entirely left of the diagonal (BLOCK_M is a multiple of BLOCK_N)
-        acc, l_i, m_i = _fwd_kv_loop(acc, l_i, m_i, q, K, V, skt, svt, offs_m, 0, start_m, T, qk_scale,
-                                     HEAD_DIM, BLOCK_N, CAUSAL=False)
-        # stage 2: the diagonal block, masked; blocks to its right are never touched
-        acc, l_i, m_i = _fwd_kv_loop(acc, l_i, m_i, q, K, V, skt, svt, offs_m, start_m,
-                                     tl.minimum(start_m + BLOCK_M, T), T, qk_scale,
-                                     HEAD_DIM, BLOCK_N, CAUSAL=True)
-        _store_rows(_head(O, sob, soh, bh, H), sot, offs_m, T, acc / l_i[:, None], HEAD_DIM)
-        tl.store(LSE + bh * T + offs_m, m_i + tl.math.log2(l_i), mask=offs_m < T)
+        if CAUSAL:
+            # stage 1: key blocks entirely left of the diagonal (BLOCK_M is a multiple of BLOCK_N)
+            acc, l_i, m_i = _fwd_kv_loop(acc, l_i, m_i, q, K, V, skt, svt, offs_m, 0, start_m, TK, qk_scale,
+                                         HEAD_DIM, BLOCK_N, MASK=0)
+            # stage 2: the diagonal block, masked; blocks to its right are never touched
+            acc, l_i, m_i = _fwd_kv_loop(acc, l_i, m_i, q, K, V, skt, svt, offs_m, start_m,
+                                         tl.minimum(start_m + BLOCK_M, TK), TK, qk_scale,
+                                         HEAD_DIM, BLOCK_N, MASK=1)
+        else:  # every key, only those past TK masked
+            acc, l_i, m_i = _fwd_kv_loop(acc, l_i, m_i, q, K, V, skt, svt, offs_m, 0, TK, TK, qk_scale,
+                                         HEAD_DIM, BLOCK_N, MASK=2)
+        _store_rows(_head(O, sob, soh, bh, H), sot, offs_m, TQ, acc / l_i[:, None], HEAD_DIM)
+        tl.store(LSE + bh * TQ + offs_m, m_i + tl.math.log2(l_i), mask=offs_m < TQ)
 
     @triton.jit
     def _attn_bwd_delta(O, DO, DELTA, sob, soh, sot, sdb, sdh, sdt, H, T,
@@ -205,17 +215,18 @@ if triton is not None:
         tl.store(DELTA + bh * T + offs_m, tl.sum(o * do, 1), mask=offs_m < T)
 
     @triton.jit
-    def _dkdv_q_loop(dk, dv, k, v, Q, DO, LSE, DELTA, sqt, sdt, offs_n, lo, hi, T, qk_scale,
+    def _dkdv_q_loop(dk, dv, k, v, Q, DO, LSE, DELTA, sqt, sdt, offs_n, lo, hi, TQ, qk_scale,
                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
         """Stream query blocks [lo, hi) past one key block, summing its dK, dV. Works with the
         transposed scores s^T = K Q^T so that every product has the key block as its rows. Query rows
-        past T load q = dO = lse = delta = 0, so their p is finite and their dS and dO are 0: no effect."""
+        past TQ load q = dO = lse = delta = 0, so their p is finite and their dS and dO are 0: no effect
+        (and keys past TK loaded k = v = 0, whose rows are never stored)."""
         for start_m in range(lo, hi, BLOCK_M):
             offs_m = start_m + tl.arange(0, BLOCK_M)
-            q = _load_rows(Q, sqt, offs_m, T, HEAD_DIM)  # (BLOCK_M, D)
-            do = _load_rows(DO, sdt, offs_m, T, HEAD_DIM)  # (BLOCK_M, D)
-            lse = tl.load(LSE + offs_m, mask=offs_m < T, other=0.0)  # (BLOCK_M,)
-            delta = tl.load(DELTA + offs_m, mask=offs_m < T, other=0.0)  # (BLOCK_M,)
+            q = _load_rows(Q, sqt, offs_m, TQ, HEAD_DIM)  # (BLOCK_M, D)
+            do = _load_rows(DO, sdt, offs_m, TQ, HEAD_DIM)  # (BLOCK_M, D)
+            lse = tl.load(LSE + offs_m, mask=offs_m < TQ, other=0.0)  # (BLOCK_M,)
+            delta = tl.load(DELTA + offs_m, mask=offs_m < TQ, other=0.0)  # (BLOCK_M,)
             p_t = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])  # (BLOCK_N, BLOCK_M) = P^T
             if CAUSAL:
                 p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
@@ -228,36 +239,40 @@ if triton is not None:
     @triton.jit
     def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA,
                        sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdb, sdh, sdt, sgb, sgh, sgt,
-                       H, T, sm_scale,
-                       HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                       H, TQ, TK, sm_scale,
+                       HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
         """One program: dK and dV of BLOCK_N keys of one (batch, head), its only writer."""
         pid_n, bh = tl.program_id(0), tl.program_id(1)
         Q, DO = _head(Q, sqb, sqh, bh, H), _head(DO, sdb, sdh, bh, H)
-        LSE, DELTA = LSE + bh * T, DELTA + bh * T
+        LSE, DELTA = LSE + bh * TQ, DELTA + bh * TQ
         start_n = pid_n * BLOCK_N
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _load_rows(_head(K, skb, skh, bh, H), skt, offs_n, T, HEAD_DIM)  # (BLOCK_N, D)
-        v = _load_rows(_head(V, svb, svh, bh, H), svt, offs_n, T, HEAD_DIM)  # (BLOCK_N, D)
+        k = _load_rows(_head(K, skb, skh, bh, H), skt, offs_n, TK, HEAD_DIM)  # (BLOCK_N, D)
+        v = _load_rows(_head(V, svb, svh, bh, H), svt, offs_n, TK, HEAD_DIM)  # (BLOCK_N, D)
         dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
         dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
         qk_scale = sm_scale * LOG2E
-        # the diagonal block: queries start_n .. start_n + BLOCK_N, masked (BLOCK_N is a multiple of BLOCK_M)
-        dk, dv = _dkdv_q_loop(dk, dv, k, v, Q, DO, LSE, DELTA, sqt, sdt, offs_n, start_n,
-                              tl.minimum(start_n + BLOCK_N, T), T, qk_scale, HEAD_DIM, BLOCK_M, CAUSAL=True)
-        # every later query sees all of these keys: no mask
-        dk, dv = _dkdv_q_loop(dk, dv, k, v, Q, DO, LSE, DELTA, sqt, sdt, offs_n, start_n + BLOCK_N, T, T,
+        if CAUSAL:
+            # the diagonal block: queries start_n .. start_n + BLOCK_N, masked (BLOCK_N is a multiple of BLOCK_M)
+            dk, dv = _dkdv_q_loop(dk, dv, k, v, Q, DO, LSE, DELTA, sqt, sdt, offs_n, start_n,
+                                  tl.minimum(start_n + BLOCK_N, TQ), TQ, qk_scale, HEAD_DIM, BLOCK_M, CAUSAL=True)
+            lo = start_n + BLOCK_N  # every later query sees all of these keys: no mask
+        else:
+            lo = 0  # every query sees every key
+        dk, dv = _dkdv_q_loop(dk, dv, k, v, Q, DO, LSE, DELTA, sqt, sdt, offs_n, lo, TQ, TQ,
                               qk_scale, HEAD_DIM, BLOCK_M, CAUSAL=False)
-        _store_rows(_head(DK, sgb, sgh, bh, H), sgt, offs_n, T, dk * sm_scale, HEAD_DIM)
-        _store_rows(_head(DV, sgb, sgh, bh, H), sgt, offs_n, T, dv, HEAD_DIM)
+        _store_rows(_head(DK, sgb, sgh, bh, H), sgt, offs_n, TK, dk * sm_scale, HEAD_DIM)
+        _store_rows(_head(DV, sgb, sgh, bh, H), sgt, offs_n, TK, dv, HEAD_DIM)
 
     @triton.jit
-    def _dq_kv_loop(dq, q, do, lse, delta, K, V, skt, svt, offs_m, lo, hi, T, qk_scale,
+    def _dq_kv_loop(dq, q, do, lse, delta, K, V, skt, svt, offs_m, lo, hi, TK, qk_scale,
                     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
-        """Stream key blocks [lo, hi) past one query block, summing its dQ."""
+        """Stream key blocks [lo, hi) past one query block, summing its dQ. Keys past TK load
+        k = v = 0: their dS is not 0, but it multiplies k = 0."""
         for start_n in range(lo, hi, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
-            k = _load_rows(K, skt, offs_n, T, HEAD_DIM)  # (BLOCK_N, D)
-            v = _load_rows(V, svt, offs_n, T, HEAD_DIM)  # (BLOCK_N, D)
+            k = _load_rows(K, skt, offs_n, TK, HEAD_DIM)  # (BLOCK_N, D)
+            v = _load_rows(V, svt, offs_n, TK, HEAD_DIM)  # (BLOCK_N, D)
             p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])  # (BLOCK_M, BLOCK_N)
             if CAUSAL:
                 p = tl.where(offs_m[:, None] >= offs_n[None, :], p, 0.0)
@@ -269,25 +284,26 @@ if triton is not None:
     @triton.jit
     def _attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA,
                      sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdb, sdh, sdt, sgb, sgh, sgt,
-                     H, T, sm_scale,
-                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                     H, TQ, TK, sm_scale,
+                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
         """One program: dQ of BLOCK_M queries of one (batch, head), its only writer."""
         pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest rows first, as in the forward
         bh = tl.program_id(1)
         K, V = _head(K, skb, skh, bh, H), _head(V, svb, svh, bh, H)
         start_m = pid_m * BLOCK_M
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        q = _load_rows(_head(Q, sqb, sqh, bh, H), sqt, offs_m, T, HEAD_DIM)  # (BLOCK_M, D)
-        do = _load_rows(_head(DO, sdb, sdh, bh, H), sdt, offs_m, T, HEAD_DIM)  # (BLOCK_M, D)
-        lse = tl.load(LSE + bh * T + offs_m, mask=offs_m < T, other=0.0)
-        delta = tl.load(DELTA + bh * T + offs_m, mask=offs_m < T, other=0.0)
+        q = _load_rows(_head(Q, sqb, sqh, bh, H), sqt, offs_m, TQ, HEAD_DIM)  # (BLOCK_M, D)
+        do = _load_rows(_head(DO, sdb, sdh, bh, H), sdt, offs_m, TQ, HEAD_DIM)  # (BLOCK_M, D)
+        lse = tl.load(LSE + bh * TQ + offs_m, mask=offs_m < TQ, other=0.0)
+        delta = tl.load(DELTA + bh * TQ + offs_m, mask=offs_m < TQ, other=0.0)
         dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         qk_scale = sm_scale * LOG2E
-        dq = _dq_kv_loop(dq, q, do, lse, delta, K, V, skt, svt, offs_m, 0, start_m, T, qk_scale,
-                         HEAD_DIM, BLOCK_N, CAUSAL=False)
-        dq = _dq_kv_loop(dq, q, do, lse, delta, K, V, skt, svt, offs_m, start_m,
-                         tl.minimum(start_m + BLOCK_M, T), T, qk_scale, HEAD_DIM, BLOCK_N, CAUSAL=True)
-        _store_rows(_head(DQ, sgb, sgh, bh, H), sgt, offs_m, T, dq * sm_scale, HEAD_DIM)
+        dq = _dq_kv_loop(dq, q, do, lse, delta, K, V, skt, svt, offs_m, 0, start_m if CAUSAL else TK, TK,
+                         qk_scale, HEAD_DIM, BLOCK_N, CAUSAL=False)
+        if CAUSAL:
+            dq = _dq_kv_loop(dq, q, do, lse, delta, K, V, skt, svt, offs_m, start_m,
+                             tl.minimum(start_m + BLOCK_M, TK), TK, qk_scale, HEAD_DIM, BLOCK_N, CAUSAL=True)
+        _store_rows(_head(DQ, sgb, sgh, bh, H), sgt, offs_m, TQ, dq * sm_scale, HEAD_DIM)
 
     INTERPRETED = not isinstance(_attn_fwd, triton.runtime.JITFunction)  # TRITON_INTERPRET=1 at import
 else:
@@ -323,34 +339,42 @@ def _empty_lse(like: torch.Tensor) -> torch.Tensor:
     return like.new_empty(B, H, T, dtype=torch.float32)  # contiguous: the kernels index it as bh * T + t
 
 
-def flash_forward(q, k, v, cfg: Launch):
-    """Returns o (B, H, T, D) and the base-2 log-sum-exp of every score row, (B, H, T) fp32."""
-    B, H, T, D = q.shape
+def flash_forward(q, k, v, cfg: Launch, causal: bool = True):
+    """q (B, H, TQ, D), k and v (B, H, TK, D). Returns o (B, H, TQ, D) and the base-2 log-sum-exp of
+    every score row, (B, H, TQ) fp32. causal needs TQ == TK; causal=False lets every query see every key."""
+    B, H, TQ, D = q.shape
+    TK = k.size(2)
     assert cfg.block_m % cfg.block_n == 0, "stage 1 must end on a key-block boundary"
+    assert TQ == TK or not causal, "the causal mode is the square lower triangle"
     o, lse = _empty_bhtd(q), _empty_lse(q)
-    grid = _grid(T, cfg.block_m, B * H)
-    _attn_fwd[grid](q, k, v, o, lse, *_bht(q), *_bht(k), *_bht(v), *_bht(o), H, T, 1 / math.sqrt(D),
-                    HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+    grid = _grid(TQ, cfg.block_m, B * H)
+    _attn_fwd[grid](q, k, v, o, lse, *_bht(q), *_bht(k), *_bht(v), *_bht(o), H, TQ, TK, 1 / math.sqrt(D),
+                    HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
                     num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages)
     return o, lse
 
 
-def flash_backward(q, k, v, o, lse, do, cfg: Launch, out=None):
-    """Returns dq, dk, dv (written into `out`, three views with one set of strides, when given). Three
-    launches, each output written by exactly one program: deterministic."""
-    B, H, T, D = q.shape
+def flash_backward(q, k, v, o, lse, do, cfg: Launch, out=None, causal: bool = True):
+    """Returns dq, dk, dv (written into `out` when given; dk and dv share one set of strides). Three
+    launches, each output written by exactly one program: deterministic. `o` and `lse` are the rows'
+    final output and base-2 log-sum-exp: from this forward, or, for one block of ring attention, the
+    merged ones over every block (then the gradients are this block's share)."""
+    B, H, TQ, D = q.shape
+    TK = k.size(2)
     assert cfg.big % cfg.small == 0, "the diagonal stage must end on a block boundary"
-    delta = torch.empty_like(lse)  # (B, H, T)
-    grid = _grid(T, cfg.big, B * H)
-    _attn_bwd_delta[grid](o, do, delta, *_bht(o), *_bht(do), H, T, HEAD_DIM=D, BLOCK_M=cfg.big)
-    dq, dk, dv = out or (_empty_bhtd(q), _empty_bhtd(q), _empty_bhtd(q))  # same strides: one set for all three
-    assert dq.stride() == dk.stride() == dv.stride()
-    strides = (*_bht(q), *_bht(k), *_bht(v), *_bht(do), *_bht(dq), H, T, 1 / math.sqrt(D))
-    launch = dict(HEAD_DIM=D, num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages)
+    delta = torch.empty_like(lse)  # (B, H, TQ)
+    _attn_bwd_delta[_grid(TQ, cfg.big, B * H)](o, do, delta, *_bht(o), *_bht(do), H, TQ, HEAD_DIM=D,
+                                               BLOCK_M=cfg.big)
+    dq, dk, dv = out or (_empty_bhtd(q), _empty_bhtd(k), _empty_bhtd(k))
+    assert dk.stride() == dv.stride(), "one set of strides for dK and dV"
+    common = (*_bht(q), *_bht(k), *_bht(v), *_bht(do))
+    scalars = (H, TQ, TK, 1 / math.sqrt(D))
+    launch = dict(HEAD_DIM=D, CAUSAL=causal, num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages)
     # dK, dV: a program per `big` keys, walking `small` query blocks; dQ: the mirror image
-    _attn_bwd_dkdv[grid](q, k, v, do, dk, dv, lse, delta, *strides, BLOCK_M=cfg.small, BLOCK_N=cfg.big,
-                         **launch)
-    _attn_bwd_dq[grid](q, k, v, do, dq, lse, delta, *strides, BLOCK_M=cfg.big, BLOCK_N=cfg.small, **launch)
+    _attn_bwd_dkdv[_grid(TK, cfg.big, B * H)](q, k, v, do, dk, dv, lse, delta, *common, *_bht(dk), *scalars,
+                                              BLOCK_M=cfg.small, BLOCK_N=cfg.big, **launch)
+    _attn_bwd_dq[_grid(TQ, cfg.big, B * H)](q, k, v, do, dq, lse, delta, *common, *_bht(dq), *scalars,
+                                            BLOCK_M=cfg.big, BLOCK_N=cfg.small, **launch)
     return dq, dk, dv
 
 

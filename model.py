@@ -30,7 +30,6 @@ Three things here exist for the rest of the codebase:
 import hashlib
 import math
 from dataclasses import asdict, dataclass, fields
-from functools import partial
 
 import torch
 import torch.nn as nn
@@ -147,11 +146,25 @@ class KVCache:
         return self.k, self.v
 
 
+class Attention(nn.Module):
+    """The attention core, softmax(q k^T / sqrt(d) + causal mask) v, of the packed (B, T, 3, H, D) qkv:
+    (B, H, T, D) out. A layer of its own so that context parallelism (context.py) can swap in ring or
+    Ulysses attention, which see the whole sequence while each rank holds a slice of it."""
+
+    def __init__(self, backend: str):
+        super().__init__()
+        self.backend = backend
+
+    def forward(self, qkv: torch.Tensor) -> torch.Tensor:
+        return attention_packed(qkv, self.backend)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.head_dim = cfg.head_dim
         self.backend = cfg.attn
+        self.core = Attention(cfg.attn)
         self.recompute_core = cfg.recompute == "selective"
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)  # q, k, v for all heads at once
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
@@ -166,9 +179,9 @@ class CausalSelfAttention(nn.Module):
             k, v = cache.append(k, v)  # (B, H, T_past + T, D)
             y = attention(q, k, v, self.backend)
         elif self.recompute_core:  # keep qkv; the softmax and what it needs are rebuilt in the backward
-            y = recompute(partial(attention_packed, backend=self.backend), qkv)
+            y = recompute(self.core, qkv)
         else:
-            y = attention_packed(qkv, self.backend)  # (B, H, T, D)
+            y = self.core(qkv)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, H * D)
         return self.resid_dropout(self.c_proj(y))
 

@@ -1,17 +1,22 @@
 """Parallelism from raw torch.distributed primitives: how ranks are arranged, and how a layer is split.
 
-The process grid. `world = dp * tp * pp` ranks, numbered so that tensor-parallel ranks are
-adjacent (they exchange the most data, so they should share a node), then data parallel,
-then pipeline:
+The process grid. `world = dp * cp * tp * pp` ranks, numbered so that tensor-parallel ranks are
+adjacent (they exchange the most data, so they should share a node), then context parallel
+(which passes keys and values around a ring every layer), then data parallel, then pipeline:
 
-    rank = (pp_rank * dp + dp_rank) * tp + tp_rank
+    rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
 
     pp=2, dp=2, tp=2:         tp group: ranks that split each layer      {0,1} {2,3} {4,5} {6,7}
        stage 0: [0 1] [2 3]   dp group: ranks that hold the same shard   {0,2} {1,3} {4,6} {5,7}
        stage 1: [4 5] [6 7]   pp group: ranks that pass activations      {0,4} {1,5} {2,6} {3,7}
 
+With --cp (context parallelism, context.py) the cp ranks of one data-parallel rank read the same
+sequences and each keeps a slice of every one; their weights are replicas, so gradients are averaged
+over the `dp_cp` group of all dp x cp ranks that hold the same shard (Megatron's "data parallel
+group with context parallel").
+
 `Grid` owns this arithmetic, and every layout fact: the degrees, this rank's coordinates, its
-pipeline neighbours, whether the sequence is sharded (`sp`), which replica of a tensor counts.
+pipeline neighbours, whether the sequence is sharded (`sp`, `cp`), which replica of a tensor counts.
 Nothing else computes ranks. Every collective goes through it too, so it can count the bytes.
 
 This file also holds Megatron's tensor (and sequence) parallel layers and `build_model`, which
@@ -29,6 +34,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+import context
 import model as gpt
 from lmhead import lm_head_loss
 
@@ -76,28 +82,62 @@ class Grid:
     dp: int = 1
     rank: int = 0
     sp: bool = False  # sequence parallelism: activations outside attention/MLP split along T over tp
+    cp: int = 1  # context parallelism: every activation split along T over cp ranks (context.py)
+    cp_attn: str = "ring"  # how attention sees the whole sequence under cp: "ring" or "ulysses"
+    whole: bool = False  # set by whole_sequence(): sp and cp off (sampling feeds one token at a time)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     groups: dict = field(default_factory=dict)  # "tp" / "dp" / "pp" / "embed" -> this rank's group
     traffic: "Traffic" = field(default_factory=lambda: Traffic())
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
     @property
     def tp_rank(self) -> int:
         return self.rank % self.tp
 
     @property
+    def cp_rank(self) -> int:
+        return self.rank // self.tp % self.cp
+
+    @property
     def dp_rank(self) -> int:
-        return self.rank // self.tp % self.dp
+        return self.rank // (self.tp * self.cp) % self.dp
 
     @property
     def pp_rank(self) -> int:
-        return self.rank // (self.tp * self.dp)
+        return self.rank // (self.tp * self.cp * self.dp)
 
-    def rank_of(self, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
-        return (pp_rank * self.dp + dp_rank) * self.tp + tp_rank
+    @property
+    def dp_cp(self) -> int:
+        """Ranks that hold the same weights and average their gradients: data and context parallel."""
+        return self.dp * self.cp
+
+    @property
+    def dp_cp_rank(self) -> int:
+        return self.dp_rank * self.cp + self.cp_rank
+
+    def rank_of(self, pp_rank: int, dp_rank: int, tp_rank: int, cp_rank: int = 0) -> int:
+        return ((pp_rank * self.dp + dp_rank) * self.cp + cp_rank) * self.tp + tp_rank
+
+    @property
+    def cp_on(self) -> bool:
+        """Is the sequence split over context-parallel ranks right now?"""
+        return self.cp > 1 and not self.whole
+
+    @property
+    def sp_on(self) -> bool:
+        return self.sp and not self.whole
+
+    @property
+    def cp_next(self) -> int:
+        """The next rank on the context-parallel ring (same pp, dp and tp coordinates)."""
+        return self.rank_of(self.pp_rank, self.dp_rank, self.tp_rank, (self.cp_rank + 1) % self.cp)
+
+    @property
+    def cp_prev(self) -> int:
+        return self.rank_of(self.pp_rank, self.dp_rank, self.tp_rank, (self.cp_rank - 1) % self.cp)
 
     @property
     def first_stage(self) -> bool:
@@ -110,32 +150,32 @@ class Grid:
     @property
     def prev_stage(self) -> int | None:
         """The rank this one receives activations from (same dp and tp coordinates, one stage up)."""
-        return None if self.first_stage else self.rank_of(self.pp_rank - 1, self.dp_rank, self.tp_rank)
+        return None if self.first_stage else self.rank_of(self.pp_rank - 1, self.dp_rank, self.tp_rank, self.cp_rank)
 
     @property
     def next_stage(self) -> int | None:
-        return None if self.last_stage else self.rank_of(self.pp_rank + 1, self.dp_rank, self.tp_rank)
+        return None if self.last_stage else self.rank_of(self.pp_rank + 1, self.dp_rank, self.tp_rank, self.cp_rank)
 
     def owns(self, p: torch.Tensor, replicated_over_dp: bool = True) -> bool:
         """Is this rank's copy of p the one that counts? Replicas are identical, so one copy is saved
         and one counts toward the gradient norm: a tensor that tensor parallelism replicates on tp
-        rank 0, one that data parallelism replicates on dp rank 0 (unless ZeRO split it over dp:
-        `replicated_over_dp=False`), and the pipeline's copy of the tied embedding never. Counting a
-        replica twice is the classic clipping bug of model parallelism."""
+        rank 0, one that data (and context) parallelism replicates on dp_cp rank 0 (unless ZeRO split
+        it over them: `replicated_over_dp=False`), and the pipeline's copy of the tied embedding never.
+        Counting a replica twice is the classic clipping bug of model parallelism."""
         if getattr(p, "tied_copy", False):
             return False
         sharded_tp = getattr(p, "shard", None) is not None
-        return (self.dp_rank == 0 or not replicated_over_dp) and (sharded_tp or self.tp_rank == 0)
+        return (self.dp_cp_rank == 0 or not replicated_over_dp) and (sharded_tp or self.tp_rank == 0)
 
     @contextmanager
-    def without_sp(self):
-        """Sequence parallelism off for a while: sampling feeds one token at a time, which cannot be
-        split along the sequence. The layers read `grid.sp` on every call."""
-        sp, self.sp = self.sp, False
+    def whole_sequence(self):
+        """Sequence and context parallelism off for a while: sampling feeds one token at a time, which
+        cannot be split along the sequence. The layers read `sp_on` / `cp_on` on every call."""
+        whole, self.whole = self.whole, True
         try:
             yield
         finally:
-            self.sp = sp
+            self.whole = whole
 
     @property
     def is_logger(self) -> bool:
@@ -158,21 +198,26 @@ class Grid:
 
     def global_loss(self, x: torch.Tensor) -> torch.Tensor:
         """The batch loss on every rank: it lives on the last pipeline stage (the others hold 0, so a
-        sum over the pipeline group copies it), and is averaged over data-parallel ranks."""
+        sum over the pipeline group copies it), and is averaged over data-parallel ranks and over
+        context-parallel ones (each holds the mean over its slice of the tokens; the slices are equal)."""
         x = x.detach().float().clone()
         self.all_reduce(x, "pp")
-        self.all_reduce(x, "dp")
-        return x / self.dp
+        self.all_reduce(x, "dp_cp")
+        return x / self.dp_cp
 
-    # Every collective in the codebase goes through these four methods, which count the bytes.
+    # Every collective in the codebase goes through these methods, which count the bytes.
     def size(self, group: str) -> int:
-        return {"tp": self.tp, "dp": self.dp, "pp": self.pp, "world": self.world,
-                "embed": 2 if self.pp > 1 else 1}[group]
+        return {"tp": self.tp, "dp": self.dp, "pp": self.pp, "cp": self.cp, "dp_cp": self.dp_cp,
+                "world": self.world, "embed": 2 if self.pp > 1 else 1}[group]
+
+    def label(self, group: str) -> str:
+        """The group's name in reports: the dp x cp group is plain "dp" when there is no context parallelism."""
+        return "dp" if group == "dp_cp" and self.cp == 1 else group
 
     def all_reduce(self, t: torch.Tensor, group: str, op=dist.ReduceOp.SUM, async_op: bool = False):
         if self.size(group) == 1:
             return None
-        self.traffic.add("all_reduce", group, t.numel() * t.element_size())
+        self.traffic.add("all_reduce", self.label(group), t.numel() * t.element_size())
         return peer_call(dist.all_reduce, t, op=op, group=self.groups.get(group), async_op=async_op)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group: str, async_op: bool = False):
@@ -180,7 +225,7 @@ class Grid:
         if self.size(group) == 1:
             out.copy_(inp)
             return None
-        self.traffic.add("all_gather", group, out.numel() * out.element_size())
+        self.traffic.add("all_gather", self.label(group), out.numel() * out.element_size())
         return peer_call(all_gather_single, out, inp, group=self.groups.get(group), async_op=async_op)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group: str, async_op: bool = False):
@@ -188,41 +233,62 @@ class Grid:
         if self.size(group) == 1:
             out.copy_(inp)
             return None
-        self.traffic.add("reduce_scatter", group, inp.numel() * inp.element_size())
+        self.traffic.add("reduce_scatter", self.label(group), inp.numel() * inp.element_size())
         return peer_call(reduce_scatter_single, out, inp, group=self.groups.get(group), async_op=async_op)
 
-    def send_recv(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> None:
-        """Point-to-point, posted together so that paired sends and receives cannot deadlock."""
-        sends = [(t.contiguous(), peer) for t, peer in sends]
-        ops = [dist.P2POp(dist.isend, t, peer) for t, peer in sends]
-        ops += [dist.P2POp(dist.irecv, t, peer) for t, peer in recvs]
-        for t, _ in sends:
-            self.traffic.add("send", "pp", t.numel() * t.element_size())
-        if ops:
-            for work in peer_call(dist.batch_isend_irecv, ops):
-                peer_call(work.wait)
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, group: str) -> None:
+        """out[r] = what rank r of the group sent this rank: its inp[this rank] (equal pieces along dim 0)."""
+        if self.size(group) == 1:
+            out.copy_(inp)
+            return
+        self.traffic.add("all_to_all", self.label(group), inp.numel() * inp.element_size())
+        peer_call(dist.all_to_all_single, out, inp, group=self.groups.get(group))
+
+    def send_recv(self, sends: list[tuple], recvs: list[tuple], group: str = "pp", wait: bool = True):
+        """Point-to-point, posted together so that paired sends and receives cannot deadlock. Each item
+        is (tensor, peer rank) or (tensor, peer, tag): two messages between the same pair in one batch
+        need different tags. With wait=False the transfers run on while the caller computes; it gets
+        the list of pending works and must wait on each before touching the tensors."""
+        sends = [(t.contiguous(), *rest) for t, *rest in sends]
+        ops = [dist.P2POp(dist.isend, t, peer, tag=tag[0] if tag else 0) for t, peer, *tag in sends]
+        ops += [dist.P2POp(dist.irecv, t, peer, tag=tag[0] if tag else 0) for t, peer, *tag in recvs]
+        for t, *_ in sends:
+            self.traffic.add("send", self.label(group), t.numel() * t.element_size())
+        works = peer_call(dist.batch_isend_irecv, ops) if ops else []
+        if not wait:
+            return works
+        for work in works:
+            peer_call(work.wait)
+        return []
 
     def __str__(self) -> str:
-        lines = [f"grid: world {self.world} = dp {self.dp} x tp {self.tp} x pp {self.pp}"
-                 + (" (sequence parallel over tp)" if self.sp else "")]
+        cp = f" x cp {self.cp}" if self.cp > 1 else ""
+        lines = [f"grid: world {self.world} = dp {self.dp}{cp} x tp {self.tp} x pp {self.pp}"
+                 + (" (sequence parallel over tp)" if self.sp else "")
+                 + (f" (context parallel: {self.cp_attn} attention)" if self.cp > 1 else "")]
         for p in range(self.pp):
-            row = "  ".join("[" + " ".join(f"{self.rank_of(p, d, t)}" for t in range(self.tp)) + "]"
-                            for d in range(self.dp))
-            lines.append(f"  stage {p}: {row}    (each [...] is a tensor-parallel group)")
+            def tp_group(d, c):
+                return "[" + " ".join(f"{self.rank_of(p, d, t, c)}" for t in range(self.tp)) + "]"
+            rings = [" ".join(tp_group(d, c) for c in range(self.cp)) for d in range(self.dp)]
+            row = "  ".join(f"({r})" for r in rings) if self.cp > 1 else "  ".join(rings)
+            lines.append(f"  stage {p}: {row}    (each [...] is a tensor-parallel group"
+                         + (", each (...) a context-parallel ring)" if self.cp > 1 else ")"))
         return "\n".join(lines)
 
 
-def init_grid(tp: int, pp: int, device: torch.device, timeout_s: float = 300, sp: bool = False) -> Grid:
+def init_grid(tp: int, pp: int, device: torch.device, timeout_s: float = 300, sp: bool = False,
+              cp: int = 1, cp_attn: str = "ring") -> Grid:
     """Join the process group that torchrun describes (or none, for one process) and build the
-    tp / dp / pp groups. Every rank creates every group in the same order, as new_group requires."""
+    tp / cp / dp / dp_cp / pp groups. Every rank creates every group in the same order, as new_group
+    requires."""
     world = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun
     rank = int(os.environ.get("RANK", "0"))
-    if world % (tp * pp):
-        raise LayoutError(f"world size {world} is not divisible by tp*pp = {tp}*{pp}; launch a multiple "
-                          f"of {tp * pp} processes or change --tp/--pp")
+    if world % (tp * pp * cp):
+        raise LayoutError(f"world size {world} is not divisible by tp*cp*pp = {tp}*{cp}*{pp}; launch a "
+                          f"multiple of {tp * cp * pp} processes or change --tp/--cp/--pp")
     if device.type == "cuda":
         device = local_gpu()
-    grid = Grid(tp=tp, pp=pp, dp=world // (tp * pp), rank=rank, sp=sp, device=device)
+    grid = Grid(tp=tp, pp=pp, cp=cp, dp=world // (tp * pp * cp), rank=rank, sp=sp, cp_attn=cp_attn, device=device)
     if world == 1:
         return grid
     # A launcher that restarts the job (torchrun --max-restarts) keeps its key-value store; keys
@@ -232,9 +298,11 @@ def init_grid(tp: int, pp: int, device: torch.device, timeout_s: float = 300, sp
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
                             store=dist.PrefixStore(f"nanoscale/attempt{attempt}", store),
                             timeout=timedelta(seconds=timeout_s))
-    ids = torch.arange(world).view(pp, grid.dp, tp)  # ids[pp_rank, dp_rank, tp_rank] = rank
-    layouts = {"tp": ids.reshape(-1, tp), "dp": ids.permute(0, 2, 1).reshape(-1, grid.dp),
-               "pp": ids.permute(1, 2, 0).reshape(-1, pp)}
+    ids = torch.arange(world).view(pp, grid.dp, cp, tp)  # ids[pp_rank, dp_rank, cp_rank, tp_rank] = rank
+    layouts = {"tp": ids.reshape(-1, tp), "cp": ids.permute(0, 1, 3, 2).reshape(-1, cp),
+               "dp": ids.permute(0, 2, 3, 1).reshape(-1, grid.dp),
+               "dp_cp": ids.permute(0, 3, 1, 2).reshape(-1, grid.dp * cp),
+               "pp": ids.permute(1, 2, 3, 0).reshape(-1, pp)}
     if pp > 1:  # the first and last stage both hold the tied embedding
         layouts["embed"] = torch.stack([ids[0], ids[-1]], dim=-1).reshape(-1, 2)
     for name, members in layouts.items():
@@ -363,7 +431,7 @@ class SplitSeq(torch.nn.Module):
         self.grid = grid
 
     def forward(self, x):
-        return split_to_sp(x, self.grid) if self.grid.sp else x
+        return split_to_sp(x, self.grid) if self.grid.sp_on else x
 
 
 def shard_spec(grid: Grid, dim: int, groups: int = 1) -> dict:
@@ -392,7 +460,7 @@ class ColumnParallelLinear(torch.nn.Module):
         self.bias = meta_param(out_features // grid.tp, spec=spec) if bias else None
 
     def forward(self, x):
-        x = gather_from_sp(x, self.grid) if self.grid.sp else copy_to_tp(x, self.grid)
+        x = gather_from_sp(x, self.grid) if self.grid.sp_on else copy_to_tp(x, self.grid)
         return torch.nn.functional.linear(x, self.weight, self.bias)  # (B, T, out / tp)
 
 
@@ -408,7 +476,7 @@ class RowParallelLinear(torch.nn.Module):
 
     def forward(self, x):
         y = torch.nn.functional.linear(x, self.weight)  # (B, T, out), a partial sum
-        y = scatter_to_sp(y, self.grid) if self.grid.sp else reduce_from_tp(y, self.grid)
+        y = scatter_to_sp(y, self.grid) if self.grid.sp_on else reduce_from_tp(y, self.grid)
         return y + self.bias
 
 
@@ -451,7 +519,7 @@ class VocabParallelLoss(torch.nn.Module):
         self.grid, self.vocab_start = grid, vocab_start
 
     def forward(self, x, weight, targets):
-        x = gather_from_sp(x, self.grid) if self.grid.sp else copy_to_tp(x, self.grid)
+        x = gather_from_sp(x, self.grid) if self.grid.sp_on else copy_to_tp(x, self.grid)
         return lm_head_loss(x, weight, targets, self.vocab_start, self.reduce)
 
     def reduce(self, t: torch.Tensor, op: str) -> None:
@@ -504,8 +572,15 @@ def check_layout(cfg: gpt.GPTConfig, grid: Grid, seq_len: int) -> None:
         raise LayoutError(f"--pp {grid.pp} stages but the model has only {cfg.n_layer} layers")
     if grid.sp and grid.tp == 1:
         raise LayoutError("--sp (sequence parallelism) needs --tp 2 or more")
-    if grid.sp and seq_len % grid.tp:
-        raise LayoutError(f"--sp needs --seq-len ({seq_len}) divisible by --tp {grid.tp}")
+    if grid.sp and seq_len % (grid.tp * grid.cp):
+        raise LayoutError(f"--sp needs --seq-len ({seq_len}) divisible by --tp {grid.tp}"
+                          + (f" times --cp {grid.cp}" if grid.cp > 1 else ""))
+    if seq_len % (2 * grid.cp):
+        raise LayoutError(f"--cp {grid.cp} cuts each sequence into 2*cp = {2 * grid.cp} chunks: --seq-len "
+                          f"{seq_len} must be divisible by {2 * grid.cp}")
+    if grid.cp > 1 and grid.cp_attn == "ulysses" and (cfg.n_head // grid.tp) % grid.cp:
+        raise LayoutError(f"--cp-attn ulysses needs the heads per tensor-parallel rank ({cfg.n_head // grid.tp}) "
+                          f"divisible by --cp {grid.cp}; use --cp-attn ring")
 
 
 def stage_layers(n_layer: int, pp: int, stage: int) -> range:
@@ -535,14 +610,16 @@ def keep_stage(model: gpt.GPT, grid: Grid) -> None:
 
 
 def build_model(cfg: gpt.GPTConfig, grid: Grid, seed: int, device: torch.device, seq_len: int) -> torch.nn.Module:
-    """This rank's part of the model: the full GPT built on meta (no memory), transformed by tensor
-    and pipeline parallelism, then each remaining parameter materialized as this rank's slice of
+    """This rank's part of the model: the full GPT built on meta (no memory), transformed by tensor,
+    context and pipeline parallelism, then each remaining parameter materialized as this rank's slice of
     its layout-independent initial value."""
     check_layout(cfg, grid, seq_len)
     with torch.device("meta"):
         model = gpt.GPT(cfg)
     if grid.tp > 1:
         apply_tensor_parallel(model, grid)
+    if grid.cp > 1:
+        context.apply_context_parallel(model, grid)
     if grid.pp > 1:
         keep_stage(model, grid)
     specs = {name: getattr(p, "shard", None) for name, p in model.named_parameters(remove_duplicate=False)}

@@ -102,8 +102,8 @@ class Pipeline:
         self.ops_run, self.peak_live = [], 0
 
     def act_shape(self, micro: torch.Tensor) -> tuple[int, int, int]:
-        T = micro.size(1) - 1
-        return micro.size(0), T // self.grid.tp if self.grid.sp else T, self.model.config.n_embd
+        T = (micro.size(1) - 1) // self.grid.cp  # each context-parallel rank holds T/cp tokens...
+        return micro.size(0), T // self.grid.tp if self.grid.sp else T, self.model.config.n_embd  # ...and SP a tp-th
 
     def run(self, micro: list[torch.Tensor], autocast, train: bool = True, scale: float = 1.0) -> torch.Tensor:
         """Forward (and backward) of every micro-batch (rows of T+1 tokens); returns the mean loss
@@ -158,13 +158,13 @@ class Pipeline:
 
 @torch.no_grad()
 def generate(model: gpt.GPT, grid: Grid, idx: torch.Tensor, max_new_tokens: int, **kw) -> torch.Tensor:
-    """model.generate on any layout, with sequence parallelism off (one token at a time cannot be
-    split along the sequence). With pipeline stages, every stage runs the same sampling loop in
+    """model.generate on any layout, with sequence and context parallelism off (one token at a time
+    cannot be split along the sequence). With pipeline stages, every stage runs the same sampling loop in
     lockstep and only `next_logits` differs: the first stage embeds, each stage receives its input
     from the previous one and sends its output on, and the last stage's logits for the newest
     position are summed over the pipeline group (the others add zeros), so every stage draws the
     same token."""
-    with grid.without_sp():
+    with grid.whole_sequence():
         if grid.pp == 1:
             return model.generate(idx, max_new_tokens, **kw)
         return model.generate(idx, max_new_tokens, next_logits=StageLogits(model, grid), **kw)

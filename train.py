@@ -134,7 +134,7 @@ def setup(cfg: config.TrainConfig) -> Run:
     precision = stability.PRECISIONS[cfg.precision]
     out = Path(cfg.out)
     rundir.check_out(out)
-    grid = parallel.init_grid(cfg.tp, cfg.pp, device, cfg.timeout, sp=cfg.sp)
+    grid = parallel.init_grid(cfg.tp, cfg.pp, device, cfg.timeout, sp=cfg.sp, cp=cfg.cp, cp_attn=cfg.cp_attn)
     device = grid.device
     per_rank = config.check_batch(cfg, grid)  # before the data: a wrong layout fails in a second, not minutes
     lock, run_id = claim_out(cfg, grid)
@@ -159,7 +159,7 @@ def setup(cfg: config.TrainConfig) -> Run:
     if cfg.compile:
         compile_model(model, grid)
     sync = None
-    if grid.dp > 1 or cfg.zero:
+    if grid.dp_cp > 1 or cfg.zero:
         sync = gradients.GradSync(model, grid, cfg.bucket_mb, overlap=not cfg.no_overlap, zero=cfg.zero,
                                   units=zero.units(model) if cfg.zero == 3 else None)
     opt = make_optimizer(model, cfg, device, sync)
@@ -333,7 +333,7 @@ def checkpoint_meta(run: Run) -> dict:
 # make no difference to the math: logging, checkpoint cadence, fault injection).
 SCHEDULE = ("lr", "min_lr", "warmup_steps", "max_steps")
 UPDATE = ("weight_decay", "clip", "dropout", "loss_scale_window", "max_bad_steps", "spike_z", "spike_window")
-LAYOUT = ("tp", "pp", "sp", "zero", "micro_batch_size", "pp_schedule")
+LAYOUT = ("tp", "pp", "sp", "cp", "cp_attn", "zero", "micro_batch_size", "pp_schedule")
 KERNELS = ("attn", "compile", "device", "recompute")
 
 

@@ -67,7 +67,7 @@ class ZeroAdamW:
             for (p, view), off in zip(b.views(master), b.offsets):
                 view.copy_(p.detach())
                 decay[off:off + p.numel()] = weight_decay if p.dim() >= 2 else 0.0
-            s = slice(*b.shard_range(self.grid.dp_rank))
+            s = slice(*b.shard_range(self.grid.dp_cp_rank))
             if self.stage == 3:  # this rank keeps its shard of the weights, nothing more
                 flat = b.param_shard = master[s].to(param_dtype, copy=True)  # not a view: master goes
                 for p in b.params:
@@ -100,7 +100,7 @@ class ZeroAdamW:
         if self.stage == 3:
             st["flat"].copy_(st["master"])
         else:
-            self.grid.all_gather(st["flat"], st["master"].to(st["flat"].dtype), "dp")
+            self.grid.all_gather(st["flat"], st["master"].to(st["flat"].dtype), "dp_cp")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.sync.zero_grad()
@@ -213,7 +213,7 @@ class ParamGather:
         if u.full is not None or u.gathering is not None:
             return
         full = torch.empty(u.padded, dtype=u.param_shard.dtype, device=u.device)
-        u.gathering = full, self.grid.all_gather(full, u.param_shard, "dp", async_op=True)
+        u.gathering = full, self.grid.all_gather(full, u.param_shard, "dp_cp", async_op=True)
         self.record("gather", i)
 
     def wait(self, i: int) -> None:

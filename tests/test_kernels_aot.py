@@ -2,7 +2,8 @@
 
 Triton can compile for a target it is not running on: triton.compile(ASTSource(...), target=
 GPUTarget("cuda", 80 or 90, 32)) runs the whole pipeline (Triton IR -> LLVM -> PTX -> ptxas -> cubin).
-For each kernel x head_dim x {fp16, bf16} x {sm_80 (A100), sm_90 (H100)} we check that
+For each kernel x head_dim x {fp16, bf16} x {sm_80 (A100), sm_90 (H100)}, and in bf16 the unmasked mode
+(causal=False) that ring attention uses off the diagonal, we check that
 
   * it compiles, with the launch configuration kernels.py will use on that GPU;
   * the PTX uses tensor cores: `mma.sync` on sm_80, `wgmma` (warpgroup MMA) on sm_90;
@@ -52,6 +53,8 @@ def jobs(head_dims=None, dtypes=None) -> list[tuple]:
                     ("_attn_bwd_delta", D, names[dtype], cap, c.big, None, 4, 3),
                     ("_attn_bwd_dkdv", D, names[dtype], cap, c.small, c.big, c.bwd_warps, c.bwd_stages),
                     ("_attn_bwd_dq", D, names[dtype], cap, c.big, c.small, c.bwd_warps, c.bwd_stages)]
+            if dtype == torch.bfloat16:  # ring attention's unmasked blocks (causal=False); fp16 is the same code
+                out += [(*job[:8], False) for job in out[-4:] if job[0] != "_attn_bwd_delta"]
     return out
 
 
@@ -62,7 +65,7 @@ def compile_one(job: tuple) -> dict:
 
     import kernels
 
-    name, D, dtype, cap, block_m, block_n, warps, stages = job
+    name, D, dtype, cap, block_m, block_n, warps, stages, *causal = job
     fn = getattr(kernels, name)
     # The signature a real launch would get: 16-byte aligned pointers and strides divisible by 16 (true
     # for every (B, H, T, D) layout with D >= 16); H and T arbitrary.
@@ -72,7 +75,7 @@ def compile_one(job: tuple) -> dict:
             signature[arg] = "*fp32" if arg in ("LSE", "DELTA") else f"*{dtype}"
         elif arg == "sm_scale":
             signature[arg] = "fp32"
-        elif arg in ("HEAD_DIM", "BLOCK_M", "BLOCK_N"):
+        elif arg in ("HEAD_DIM", "BLOCK_M", "BLOCK_N", "CAUSAL"):
             signature[arg] = "constexpr"
         else:
             signature[arg] = "i32"
@@ -81,6 +84,8 @@ def compile_one(job: tuple) -> dict:
     constexprs = {"HEAD_DIM": D, "BLOCK_M": block_m}
     if block_n is not None:
         constexprs["BLOCK_N"] = block_n
+    if "CAUSAL" in fn.arg_names:
+        constexprs["CAUSAL"] = causal[0] if causal else True
     target = GPUTarget("cuda", cap, 32)
     compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
                               options={"num_warps": warps, "num_stages": stages})
@@ -91,7 +96,8 @@ def compile_one(job: tuple) -> dict:
         (Path(tmp) / "k.ptx").write_text(ptx)
         log = subprocess.run([str(ptxas), "-v", f"-arch={arch}", "k.ptx", "-o", "k.cubin"], cwd=tmp,
                              capture_output=True, text=True, check=True).stderr
-    return dict(kernel=name, D=D, dtype=dtype, target=arch, blocks=f"{block_m}x{block_n or '-'}",
+    label = f"{name} (full)" if causal == [False] else name
+    return dict(kernel=label, D=D, dtype=dtype, target=arch, blocks=f"{block_m}x{block_n or '-'}",
                 warps=warps, stages=stages,
                 registers=int(re.search(r"Used (\d+) registers", log).group(1)),
                 spill_stores=int(re.search(r"(\d+) bytes spill stores", log).group(1)),
@@ -106,12 +112,12 @@ def compile_all(head_dims=None, dtypes=None) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    head = (f"{'kernel':<16} {'D':>3} {'dtype':<5} {'target':<6} {'blocks':>7} {'warps':>5} {'stages':>6} "
+    head = (f"{'kernel':<23} {'D':>3} {'dtype':<5} {'target':<6} {'blocks':>7} {'warps':>5} {'stages':>6} "
             f"{'regs':>4} {'smem (limit)':>16} {'spill st/ld':>11} {'tensor cores':>12}")
     lines = [head, "-" * len(head)]
     for r in rows:
         smem = f"{r['shared']} ({r['shared_limit'] // 1024}K)"
-        lines.append(f"{r['kernel']:<16} {r['D']:>3} {r['dtype']:<5} {r['target']:<6} {r['blocks']:>7} "
+        lines.append(f"{r['kernel']:<23} {r['D']:>3} {r['dtype']:<5} {r['target']:<6} {r['blocks']:>7} "
                      f"{r['warps']:>5} {r['stages']:>6} {r['registers']:>4} {smem:>16} "
                      f"{r['spill_stores']:>5}/{r['spill_loads']:<5} {r['tensor_cores']:>12}")
     return "\n".join(lines)

@@ -1,0 +1,310 @@
+"""Context parallelism: each rank holds a slice of every sequence, and attention still sees all of it.
+
+Activation memory grows with the sequence length T, and attention's work with T^2. Megatron's sequence
+parallelism (parallel.py) splits only the LayerNorm and dropout regions, and only over the tensor-parallel
+ranks: attention and the linear layers still see all T tokens on every rank. With `--cp N`, N ranks each
+keep T/N tokens of *every* activation. Embeddings, LayerNorms, MLPs and the loss work token by token, so
+they need no communication at all; the weights are replicas whose gradients are averaged over the
+data-parallel and context-parallel ranks together (`Grid.dp_cp`). Only attention mixes tokens: a query
+needs the keys and values of every earlier token, and most of them live on other ranks. Two ways to
+bring them (`--cp-attn`):
+
+ring (Liu et al. 2023, "Ring Attention with Blockwise Transformers"; Megatron-LM's context parallelism).
+    Keys and values travel around the ring of cp ranks, one rank's block per step. Each rank attends its
+    queries to the block in hand while the next block is already on its way (batch_isend_irecv), and
+    merges the partial results by their log-sum-exp, which is the online softmax of kernels.py with one
+    block per rank:
+
+        lse = log(e^lse_a + e^lse_b)        o = e^(lse_a - lse) o_a + e^(lse_b - lse) o_b
+
+    The backward sends the keys and values around again; each block's dK, dV ride along with it,
+    collecting every rank's share, and one last hop brings them home.
+
+    The causal mask makes late queries expensive and early ones cheap, so rank i keeps two of the 2N
+    chunks of each sequence, chunk i and chunk 2N-1-i:
+
+        chunk   0  1  2  3  4  5  6  7        (cp = 4)
+        rank    0  1  2  3  3  2  1  0
+
+    Then every step of the ring costs every rank the same: its own block (step 0) is a small causal
+    attention; a block from an earlier rank j < i is seen whole by both its chunks' queries, but only
+    its first chunk is earlier than them; from a later rank j > i, only the late chunk 2N-1-i sees it,
+    all of it. Either way a quarter of the (2c x 2c) scores, c = T/2N.
+
+ulysses (Jacobs et al. 2023, "DeepSpeed Ulysses"). One all-to-all turns (T/N tokens, all heads) into
+    (all T tokens, H/N heads); attention runs on whole sequences with any backend, our kernel included;
+    a second all-to-all turns the output back. Needs the heads (per tensor-parallel rank) divisible by N.
+
+What each rank sends per layer per micro-batch (b sequences of s tokens, h = hidden size per
+tensor-parallel rank, e bytes per element), which --comm-report measures:
+
+    ring     forward  (N-1) hops of its K and V:                   (N-1) * 2bsh/N * e
+             backward (N-1) hops of K and V, N hops of dK and dV:  (N-1) * 2bsh/N * e + N * 2bsh/N * 4 (fp32)
+    ulysses  forward  all-to-all of q, k, v and of the output:     4bsh/N * e   (of which (N-1)/N leaves)
+             backward the same two, the other way round
+
+The ring's traffic does not depend on the number of heads and it hides behind the block attention; Ulysses
+moves less when N is large (its all-to-alls shrink as 1/N) but cannot go past the number of heads.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn as nn
+
+from kernels import flash_backward, flash_forward, launch_config, unpack_qkv
+from model import Attention
+
+if TYPE_CHECKING:  # parallel.py builds the model from these layers; it imports this file, not the reverse
+    from parallel import Grid
+
+KV, DKV = 1, 2  # message tags: keys/values and their gradients may cross between the same two ranks at once
+
+
+# ----------------------------------------------------------------------------- which tokens a rank holds
+
+
+def positions(T: int, cp: int, rank: int, device=None) -> torch.Tensor:
+    """The positions of the T/cp tokens that cp rank `rank` holds: chunks rank and 2cp-1-rank of 2cp."""
+    c = T // (2 * cp)
+    early, late = range(rank * c, (rank + 1) * c), range((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)
+    return torch.tensor([*early, *late], device=device)
+
+
+def split_sequence(x: torch.Tensor, grid: Grid, dim: int = 1) -> torch.Tensor:
+    """This rank's two chunks of x along `dim`. No communication either way: the gradient of the other
+    tokens is other ranks' business (index_select's backward scatters into zeros)."""
+    return x.index_select(dim, positions(x.size(dim), grid.cp, grid.cp_rank, x.device))
+
+
+class SplitContext(nn.Module):
+    """After the embedding: keep this rank's tokens (the embedding itself saw whole sequences, so every
+    position got its own position embedding)."""
+
+    def __init__(self, grid: Grid):
+        super().__init__()
+        self.grid = grid
+
+    def forward(self, x):
+        return split_sequence(x, self.grid) if self.grid.cp_on else x
+
+
+class ContextParallelLoss(nn.Module):
+    """The model's loss layer, given this rank's targets: the mean over its tokens. The slices are the
+    same size, so the mean over the cp ranks (the gradient average, the reported loss) is the whole mean."""
+
+    def __init__(self, inner: nn.Module, grid: Grid):
+        super().__init__()
+        self.inner, self.grid = inner, grid
+
+    def forward(self, x, weight, targets):
+        return self.inner(x, weight, split_sequence(targets, self.grid) if self.grid.cp_on else targets)
+
+
+# ----------------------------------------------------------------------------- attention on one block
+
+
+def block_attention(q, k, v, causal: bool, kernel: bool):
+    """Attention of queries q (B, H, Tq, D) to one block of keys and values (B, H, Tk, D): causal (the
+    square lower triangle) or every key visible. Returns the output (fp32) and the natural log-sum-exp
+    of every score row (B, H, Tq), which is what merging blocks needs."""
+    if kernel:
+        o, lse2 = flash_forward(q, k, v, launch_config(q.size(-1), q.dtype), causal=causal)
+        return o.float(), lse2 * math.log(2)  # the kernel works in base 2
+    s = scores(q, k, causal)  # (B, H, Tq, Tk), fp32 (fp64 for fp64 inputs)
+    lse = s.logsumexp(-1)
+    return torch.exp(s - lse[..., None]) @ v.to(s.dtype), lse
+
+
+def block_attention_backward(q, k, v, out, lse, dout, causal: bool, kernel: bool):
+    """This block's share of dq, dk, dv (fp32), from the rows' *final* output and log-sum-exp (merged
+    over every block): P = exp(S - lse) is then the block's slice of the true softmax."""
+    if kernel:
+        grads = flash_backward(q, k, v, out, (lse / math.log(2)).contiguous(), dout,
+                               launch_config(q.size(-1), q.dtype), causal=causal)
+        return [g.float() for g in grads]
+    p = torch.exp(scores(q, k, causal) - lse[..., None])  # (B, H, Tq, Tk)
+    q, k, v, out, dout = (x.to(p.dtype) for x in (q, k, v, out, dout))
+    delta = (dout * out).sum(-1, keepdim=True)  # rowsum(dO * O) = rowsum(P * dP)
+    ds = p * (dout @ v.transpose(-2, -1) - delta) / math.sqrt(q.size(-1))  # dS, times the scores' scale
+    return ds @ k, ds.transpose(-2, -1) @ q, p.transpose(-2, -1) @ dout
+
+
+def scores(q, k, causal: bool) -> torch.Tensor:
+    """q k^T / sqrt(d), masked, in fp32 at least."""
+    wide = torch.promote_types(q.dtype, torch.float32)
+    s = (q.to(wide) @ k.to(wide).transpose(-2, -1)) / math.sqrt(q.size(-1))
+    if causal:
+        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(), float("-inf"))
+    return s
+
+
+def step_blocks(i: int, j: int, c: int) -> tuple[slice, slice, bool]:
+    """(rows of my queries, rows of rank j's keys, causal) that rank i computes on rank j's block, when
+    every rank holds chunks (rank, 2cp-1-rank) of c tokens each. See the module docstring."""
+    if j == i:
+        return slice(None), slice(None), True
+    if j < i:
+        return slice(None), slice(0, c), False
+    return slice(c, None), slice(None), False
+
+
+def merge(out: torch.Tensor, lse: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor) -> None:
+    """Fold one block's (o_b, lse_b) into the running (out, lse), in place."""
+    new = torch.logaddexp(lse, lse_b)
+    out.mul_(torch.exp(lse - new)[..., None]).add_(o_b * torch.exp(lse_b - new)[..., None])
+    lse.copy_(new)
+
+
+# ----------------------------------------------------------------------------- ring attention
+
+
+class RingAttentionFn(torch.autograd.Function):
+    """qkv (B, T/cp, 3, H, D) of this rank's tokens -> (B, H, T/cp, D), attending to every rank's keys."""
+
+    @staticmethod
+    def forward(ctx, qkv: torch.Tensor, grid: Grid, kernel: bool) -> torch.Tensor:
+        ctx.grid, ctx.kernel = grid, kernel
+        q, _, _ = unpack_qkv(qkv)  # (B, H, Tl, D)
+        kv = qkv[:, :, 1:].contiguous()  # (B, Tl, 2, H, D): the block that travels
+        wide = torch.promote_types(qkv.dtype, torch.float32)  # partial results are merged in fp32 at least
+        out = torch.zeros(q.shape, dtype=wide, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=wide, device=q.device)
+        for step in range(grid.cp):
+            incoming = torch.empty_like(kv) if step < grid.cp - 1 else None
+            works = ring_pass(grid, [(kv, incoming, KV)])  # in flight while we compute on kv
+            rows, keys, causal = step_blocks(grid.cp_rank, (grid.cp_rank - step) % grid.cp, q.size(2) // 2)
+            o_b, lse_b = block_attention(q[:, :, rows], *heads_first(kv[:, keys]), causal, kernel)
+            merge(out[:, :, rows], lse[:, :, rows], o_b, lse_b)
+            wait_all(works)
+            kv = incoming
+        out = out.to(qkv.dtype)
+        ctx.save_for_backward(qkv, out, lse)  # O(T/cp) per rank: no scores are kept
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor):
+        grid, kernel = ctx.grid, ctx.kernel
+        qkv, out, lse = ctx.saved_tensors
+        q, _, _ = unpack_qkv(qkv)
+        dout = dout.contiguous()
+        kv = qkv[:, :, 1:].contiguous()
+        dq = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)
+        acc = None  # dK, dV (B, Tl, 2, H, D) fp32 of the block in hand, summed over the ranks it has visited
+        for step in range(grid.cp):
+            incoming = torch.empty_like(kv) if step < grid.cp - 1 else None
+            acc_in = torch.empty_like(acc) if step > 0 else None  # the next block's sum so far
+            works = ring_pass(grid, [(kv, incoming, KV), (acc, acc_in, DKV)])
+            rows, keys, causal = step_blocks(grid.cp_rank, (grid.cp_rank - step) % grid.cp, q.size(2) // 2)
+            dq_b, dk_b, dv_b = block_attention_backward(q[:, :, rows], *heads_first(kv[:, keys]), out[:, :, rows],
+                                                        lse[:, :, rows], dout[:, :, rows], causal, kernel)
+            dq[:, :, rows] += dq_b
+            mine = kv.new_zeros(kv.shape, dtype=lse.dtype)
+            mine[:, keys] = torch.stack([dk_b, dv_b], dim=2).transpose(1, 3)  # (B, Tk, 2, H, D)
+            wait_all(works)
+            acc = mine if acc_in is None else acc_in.add_(mine)
+            kv = incoming
+        if grid.cp > 1:  # the block in hand is the next rank's: one last hop takes every sum home
+            home = torch.empty_like(acc)
+            wait_all(ring_pass(grid, [(acc, home, DKV)]))
+            acc = home
+        dqkv = torch.cat([dq.transpose(1, 2).unsqueeze(2), acc], dim=2)  # (B, Tl, 3, H, D)
+        return dqkv.to(qkv.dtype), None, None
+
+
+def heads_first(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, Tk, 2, H, D) -> k, v as (B, H, Tk, D) views."""
+    return kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
+
+
+def ring_pass(grid: Grid, messages: list[tuple]) -> list:
+    """Send each (outgoing, incoming, tag) one step around the ring: outgoing to the next rank while
+    incoming arrives from the previous one (incoming None: this message does not move this step).
+    Returns the works to wait for."""
+    messages = [m for m in messages if m[1] is not None]
+    sends = [(out, grid.cp_next, tag) for out, _, tag in messages]
+    recvs = [(inc, grid.cp_prev, tag) for _, inc, tag in messages]
+    return grid.send_recv(sends, recvs, group="cp", wait=False) if messages else []
+
+
+def wait_all(works: list) -> None:
+    for work in works:
+        work.wait()
+
+
+class RingAttention(nn.Module):
+    """The attention core under --cp-attn ring (model.Attention on one rank). The blocks run on our
+    Triton kernel where the backend is `triton`, else on the math version above (CPUs)."""
+
+    def __init__(self, grid: Grid, backend: str):
+        super().__init__()
+        self.grid, self.backend, self.local = grid, backend, Attention(backend)
+
+    @torch.compiler.disable  # point-to-point messages inside an autograd Function: run it eagerly
+    def forward(self, qkv):
+        if not self.grid.cp_on:
+            return self.local(qkv)
+        return RingAttentionFn.apply(qkv, self.grid, self.backend == "triton")
+
+
+# ----------------------------------------------------------------------------- Ulysses
+
+
+def all_to_all(x: torch.Tensor, grid: Grid, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    """Cut x into cp pieces along scatter_dim, send piece r to cp rank r, and concatenate the pieces that
+    arrive, in rank order, along gather_dim."""
+    send = torch.stack(x.chunk(grid.cp, dim=scatter_dim))  # (cp, ...) contiguous: piece r goes to rank r
+    recv = torch.empty_like(send)
+    grid.all_to_all(recv, send, "cp")
+    return torch.cat(recv.unbind(0), dim=gather_dim)
+
+
+class AllToAll(torch.autograd.Function):
+    """all_to_all forward; its gradient is the same exchange the other way round."""
+
+    @staticmethod
+    def forward(ctx, x, grid, scatter_dim, gather_dim):
+        ctx.grid, ctx.dims = grid, (scatter_dim, gather_dim)
+        return all_to_all(x, grid, scatter_dim, gather_dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        scatter_dim, gather_dim = ctx.dims
+        return all_to_all(grad, ctx.grid, gather_dim, scatter_dim), None, None, None
+
+
+class UlyssesAttention(nn.Module):
+    """The attention core under --cp-attn ulysses: sequence-sharded in, head-sharded for attention,
+    sequence-sharded out."""
+
+    def __init__(self, grid: Grid, backend: str):
+        super().__init__()
+        self.grid, self.backend, self.local = grid, backend, Attention(backend)
+
+    @torch.compiler.disable
+    def forward(self, qkv):  # (B, T/cp, 3, H, D)
+        if not self.grid.cp_on:
+            return self.local(qkv)
+        cp = self.grid.cp  # parallel.check_layout made sure it divides the heads
+        whole = AllToAll.apply(qkv, self.grid, 3, 1)  # (B, T, 3, H/cp, D): every rank's tokens, in rank order
+        order = torch.cat([positions(whole.size(1), cp, r, qkv.device) for r in range(cp)])  # their positions
+        y = self.local(whole.index_select(1, order.argsort()))  # (B, H/cp, T, D), causal in true order
+        return AllToAll.apply(y.index_select(2, order), self.grid, 2, 1)  # (B, H, T/cp, D)
+
+
+# ----------------------------------------------------------------------------- the transformation
+
+
+def apply_context_parallel(model: nn.Module, grid: Grid) -> None:
+    """Swap a meta-built GPT's attention cores for the cp ones, keep this rank's tokens after the
+    embedding, and give the loss this rank's targets. (After tensor parallelism: the context split comes
+    before the sequence-parallel split, the loss wraps the vocab-parallel one.)"""
+    core = {"ring": RingAttention, "ulysses": UlyssesAttention}[grid.cp_attn]
+    for block in model.transformer.h:
+        block.attn.core = core(grid, block.attn.backend)
+    model.transformer.drop = nn.Sequential(SplitContext(grid), model.transformer.drop)
+    model.loss = ContextParallelLoss(model.loss, grid)
+
