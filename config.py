@@ -45,6 +45,8 @@ class TrainConfig:
                       + ", ".join(gpt.PRESETS))
     init_from: str = arg("", "start from Hugging Face GPT-2 weights: a local model directory (config.json "
                          "and model.safetensors or pytorch_model.bin); its config replaces --preset")
+    n_layer: int = arg(0, "transformer blocks (0: the preset's); part of the architecture, so a checkpoint of "
+                       "another depth is refused", at_least(0))
     seq_len: int = arg(0, "tokens per sequence (0: the model's context on CUDA, 128 on CPU)", at_least(0))
     dropout: float = arg(0.0, "dropout probability", (lambda v: 0 <= v < 1, "must be in [0, 1)"))
     attn: str = arg("auto", "attention backend (auto: our Triton kernel on CUDA where it applies, SDPA "
@@ -110,7 +112,10 @@ class TrainConfig:
     cp_attn: str = arg("ring", "how attention sees the whole sequence under --cp: ring (keys and values passed "
                        "around the cp ranks) or ulysses (all-to-all to whole sequences of fewer heads)",
                        choices=["ring", "ulysses"])
-    pp_schedule: str = arg("1f1b", "pipeline schedule", choices=list(pipeline.SCHEDULES))
+    pp_schedule: str = arg("1f1b", "pipeline schedule (interleaved: Megatron's interleaved 1F1B, with "
+                           "--virtual-stages)", choices=list(pipeline.SCHEDULES))
+    virtual_stages: int = arg(1, "interleaved schedule: chunks of layers per pipeline stage (v); the bubble "
+                              "shrinks v times, the pipeline messages grow v times", at_least(1))
     zero: int = arg(0, "ZeRO stage: shard across the data-parallel ranks 1: the optimizer state, 2: and the "
                     "gradients (reduce-scattered every backward), 3: and the weights (gathered per block, "
                     "prefetched); see zero.py", choices=[0, 1, 2, 3])
@@ -153,6 +158,8 @@ def resolve_defaults(cfg: TrainConfig, device: torch.device, bf16_ok: bool = Tru
         if cfg.preset not in gpt.PRESETS:
             raise ConfigError(f"unknown preset {cfg.preset!r}; choose one of: {', '.join(gpt.PRESETS)}")
         _, n_head, n_embd, block = gpt.PRESETS[cfg.preset]
+    if cfg.n_layer and cfg.init_from:
+        raise ConfigError("--n-layer cannot change the depth of a Hugging Face model (--init-from); leave it out")
     cfg.seq_len = cfg.seq_len or (block if cuda else min(block, 128))
     if cfg.seq_len > block:
         raise ConfigError(f"--seq-len {cfg.seq_len} is longer than the {cfg.preset} model's context "
@@ -167,8 +174,19 @@ def resolve_defaults(cfg: TrainConfig, device: torch.device, bf16_ok: bool = Tru
     if cfg.zero == 3 and cfg.pp > 1:
         raise ConfigError("--zero 3 with --pp is not supported: ZeRO-3 gathers the tied embedding as one unit on "
                           "one stage; use --zero 1 or 2 with pipeline parallelism")
+    check_schedule(cfg)
     cfg.attn = resolve_attention(cfg, device, n_embd // n_head)
     return cfg
+
+
+def check_schedule(cfg: TrainConfig) -> None:
+    """The interleaved schedule needs chunks (v >= 2) on a pipeline (pp >= 2); chunks need it."""
+    if cfg.pp_schedule == "interleaved" and (cfg.virtual_stages < 2 or cfg.pp < 2):
+        raise ConfigError(f"--pp-schedule interleaved needs --pp 2 or more and --virtual-stages 2 or more (got "
+                          f"--pp {cfg.pp}, --virtual-stages {cfg.virtual_stages}); or use --pp-schedule 1f1b")
+    if cfg.virtual_stages > 1 and cfg.pp_schedule != "interleaved":
+        raise ConfigError(f"--virtual-stages {cfg.virtual_stages} needs --pp-schedule interleaved (the "
+                          f"{cfg.pp_schedule} schedule runs one chunk of layers per stage)")
 
 
 def resolve_attention(cfg: TrainConfig, device: torch.device, head_dim: int) -> str:
@@ -216,14 +234,20 @@ def check_batch(cfg: TrainConfig, grid: parallel.Grid) -> int:
     if per_rank % cfg.micro_batch_size:
         raise ConfigError(f"--micro-batch-size {cfg.micro_batch_size} does not divide the per-rank batch "
                           f"{per_rank} (= --batch-size {cfg.batch_size} / {grid.dp} data-parallel ranks)")
+    m = per_rank // cfg.micro_batch_size
+    if cfg.pp_schedule == "interleaved" and m % grid.pp:
+        raise ConfigError(f"the interleaved schedule needs the micro-batches per step ({m} = {per_rank} sequences "
+                          f"per rank / --micro-batch-size {cfg.micro_batch_size}) to be a multiple of --pp "
+                          f"{grid.pp}; change --micro-batch-size or --batch-size")
     return per_rank
 
 
 def model_config(cfg: TrainConfig, tok: tokenizer.Tokenizer) -> gpt.GPTConfig:
     """The architecture: a preset, or the config.json of the Hugging Face model to start from."""
     if not cfg.init_from:
+        depth = {"n_layer": cfg.n_layer} if cfg.n_layer else {}
         return gpt.config_from_preset(cfg.preset, tok.vocab_size, dropout=cfg.dropout, attn=cfg.attn,
-                                      recompute=cfg.recompute)
+                                      recompute=cfg.recompute, **depth)
     arch = hf.hf_config(Path(cfg.init_from))
     if arch["vocab_size"] != tok.vocab_size:
         raise ConfigError(f"{cfg.init_from} has a vocabulary of {arch['vocab_size']} tokens but the {tok.name} "

@@ -22,7 +22,7 @@ import torch
 import gradients
 import model as gpt
 from gradients import GradSync
-from parallel import Grid, LayoutError, stage_layers
+from parallel import Grid, LayoutError, rank_layers
 from zero import ZeroAdamW, in_backward
 
 
@@ -78,14 +78,15 @@ def expected_traffic(cfg: gpt.GPTConfig, grid: Grid, micro_batch: int, n_micro: 
     """Bytes this rank's collectives should move in one fp32 training step, by (op, group), from
     the formulas: Megatron's 2 all-reduces forward + 2 backward per layer of B*T*C activations
     (all-gather + reduce-scatter of the same volume under --sp), one activation send per
-    micro-batch each way between pipeline stages, and the data-parallel gradient volume. Under
+    micro-batch each way between pipeline stages (interleaved: one per chunk, p v - 1 boundaries
+    in all instead of p - 1), and the data-parallel gradient volume. Under
     --recompute full the backward runs each block's forward again, collectives included (Megatron's
     full recomputation costs 2 more all-reduces per layer); the selective kind recomputes only the
     attention core, which communicates nothing, except under context parallelism (context_traffic).
     A context-parallel rank holds seq_len / cp tokens of every activation."""
     e, sp = defaultdict(int), grid.sp
     first, last = grid.first_stage, grid.last_stage
-    layers = len(stage_layers(cfg.n_layer, grid.pp, grid.pp_rank))
+    layers = sum(len(chunk) for chunk in rank_layers(cfg.n_layer, grid.pp, grid.vp, grid.pp_rank))
     embedded = micro_batch * seq_len * cfg.n_embd * 4  # the embedding sees whole sequences: cp splits after it
     seq_len //= grid.cp
     btc, bt = micro_batch * seq_len * cfg.n_embd * 4, micro_batch * seq_len * 4
@@ -106,7 +107,8 @@ def expected_traffic(cfg: gpt.GPTConfig, grid: Grid, micro_batch: int, n_micro: 
             e[("all_reduce", "tp")] += 4 * sum(partial)
     if grid.pp > 1:
         act = btc // grid.tp if sp else btc
-        e[("send", "pp")] += n_micro * act * ((not last) + (not first))
+        # every chunk sends its output on and its input's gradient back, except at the two ends
+        e[("send", "pp")] += n_micro * act * (2 * grid.vp - last - first)
         if first or last:
             e[("all_reduce", "embed")] += 4 * (gradients.tied_grad(model, grid, sync).numel() if sync and sync.zero
                                                else cfg.padded_vocab // grid.tp * cfg.n_embd)
@@ -288,7 +290,7 @@ class SavedActivations:
     the same span: the bytes still held after the blocks' forward that were not held before it."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device):
-        self.blocks, self.device = list(model.transformer.h), device
+        self.blocks, self.device = list(model.transformer.h.children()), device  # (a stage holds a ModuleDict)
         self.calls, self.inside, self.counting = 0, False, False
         self.saved, self.inputs, self.weights = {}, set(), set()  # storage -> bytes; storages of inputs, weights
         self.allocated = None

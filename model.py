@@ -246,9 +246,13 @@ class GPT(nn.Module):
         pos = torch.arange(start, start + T, device=idx.device)
         return self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
 
-    def blocks(self, x: torch.Tensor, caches: list[KVCache] | None = None) -> torch.Tensor:
-        # children() rather than indexing: a pipeline stage keeps only some blocks
-        for i, block in enumerate(self.transformer.h.children()):
+    def blocks(self, x: torch.Tensor, caches: list[KVCache] | None = None, which: range | None = None) -> torch.Tensor:
+        """Run the blocks this model holds, in order; `which` (positions among them, default all) runs
+        only some, and caches[i] belongs to the block at position i."""
+        # children() rather than indexing: a pipeline stage keeps only some blocks, under their global names
+        held = list(self.transformer.h.children())
+        for i in range(len(held)) if which is None else which:
+            block = held[i]
             if self.config.recompute == "full" and not caches:  # keep only each block's input
                 x = recompute(block, x)
             else:

@@ -85,6 +85,7 @@ class Grid:
     cp: int = 1  # context parallelism: every activation split along T over cp ranks (context.py)
     cp_attn: str = "ring"  # how attention sees the whole sequence under cp: "ring" or "ulysses"
     whole: bool = False  # set by whole_sequence(): sp and cp off (sampling feeds one token at a time)
+    vp: int = 1  # virtual pipeline stages (chunks of layers) per pipeline rank: the interleaved schedule's v
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     groups: dict = field(default_factory=dict)  # "tp" / "dp" / "pp" / "embed" -> this rank's group
     traffic: "Traffic" = field(default_factory=lambda: Traffic())
@@ -155,6 +156,11 @@ class Grid:
     @property
     def next_stage(self) -> int | None:
         return None if self.last_stage else self.rank_of(self.pp_rank + 1, self.dp_rank, self.tp_rank, self.cp_rank)
+
+    def stage_rank(self, pp_rank: int) -> int:
+        """The rank of pipeline stage `pp_rank` (mod pp: an interleaved pipeline wraps from the last
+        stage back to the first) in this rank's pipeline."""
+        return self.rank_of(pp_rank % self.pp, self.dp_rank, self.tp_rank, self.cp_rank)
 
     def owns(self, p: torch.Tensor, replicated_over_dp: bool = True) -> bool:
         """Is this rank's copy of p the one that counts? Replicas are identical, so one copy is saved
@@ -265,7 +271,8 @@ class Grid:
         cp = f" x cp {self.cp}" if self.cp > 1 else ""
         lines = [f"grid: world {self.world} = dp {self.dp}{cp} x tp {self.tp} x pp {self.pp}"
                  + (" (sequence parallel over tp)" if self.sp else "")
-                 + (f" (context parallel: {self.cp_attn} attention)" if self.cp > 1 else "")]
+                 + (f" (context parallel: {self.cp_attn} attention)" if self.cp > 1 else "")
+                 + (f" (interleaved: {self.vp} chunks of layers per stage)" if self.vp > 1 else "")]
         for p in range(self.pp):
             def tp_group(d, c):
                 return "[" + " ".join(f"{self.rank_of(p, d, t, c)}" for t in range(self.tp)) + "]"
@@ -277,7 +284,7 @@ class Grid:
 
 
 def init_grid(tp: int, pp: int, device: torch.device, timeout_s: float = 300, sp: bool = False,
-              cp: int = 1, cp_attn: str = "ring") -> Grid:
+              cp: int = 1, cp_attn: str = "ring", vp: int = 1) -> Grid:
     """Join the process group that torchrun describes (or none, for one process) and build the
     tp / cp / dp / dp_cp / pp groups. Every rank creates every group in the same order, as new_group
     requires."""
@@ -288,7 +295,8 @@ def init_grid(tp: int, pp: int, device: torch.device, timeout_s: float = 300, sp
                           f"multiple of {tp * cp * pp} processes or change --tp/--cp/--pp")
     if device.type == "cuda":
         device = local_gpu()
-    grid = Grid(tp=tp, pp=pp, cp=cp, dp=world // (tp * pp * cp), rank=rank, sp=sp, cp_attn=cp_attn, device=device)
+    grid = Grid(tp=tp, pp=pp, cp=cp, dp=world // (tp * pp * cp), rank=rank, sp=sp, cp_attn=cp_attn, vp=vp,
+                device=device)
     if world == 1:
         return grid
     # A launcher that restarts the job (torchrun --max-restarts) keeps its key-value store; keys
@@ -568,8 +576,11 @@ def check_layout(cfg: gpt.GPTConfig, grid: Grid, seq_len: int) -> None:
         raise LayoutError(f"--tp {grid.tp} does not divide the model's {cfg.n_head} attention heads")
     if cfg.padded_vocab % grid.tp:
         raise LayoutError(f"--tp {grid.tp} does not divide the padded vocabulary {cfg.padded_vocab}")
-    if cfg.n_layer < grid.pp:
-        raise LayoutError(f"--pp {grid.pp} stages but the model has only {cfg.n_layer} layers")
+    if cfg.n_layer < grid.pp * grid.vp:
+        stages = f"--pp {grid.pp} stages" if grid.vp == 1 else \
+            f"--pp {grid.pp} x --virtual-stages {grid.vp} = {grid.pp * grid.vp} virtual stages"
+        raise LayoutError(f"{stages} but the model has only {cfg.n_layer} layers; use fewer stages, or more "
+                          "layers (--n-layer)")
     if grid.sp and grid.tp == 1:
         raise LayoutError("--sp (sequence parallelism) needs --tp 2 or more")
     if grid.sp and seq_len % (grid.tp * grid.cp):
@@ -590,11 +601,22 @@ def stage_layers(n_layer: int, pp: int, stage: int) -> range:
     return range(bounds[stage], bounds[stage + 1])
 
 
+def rank_layers(n_layer: int, pp: int, vp: int, pp_rank: int) -> list[range]:
+    """The chunks of blocks pipeline rank `pp_rank` holds. Interleaved (Narayanan et al. 2021,
+    section 2.2.2), the layers are cut into pp * vp virtual stages, and virtual stage c * pp + rank is
+    chunk c of that rank: with pp = 2, vp = 2 and 8 layers, rank 0 holds h.0-1 and h.4-5, rank 1
+    h.2-3 and h.6-7. With vp = 1, one chunk: stage_layers."""
+    return [stage_layers(n_layer, pp * vp, c * pp + pp_rank) for c in range(vp)]
+
+
 def keep_stage(model: gpt.GPT, grid: Grid) -> None:
     """Drop what this pipeline stage does not run. Blocks keep their global names (h.5 stays h.5),
-    so checkpoints from any layout line up."""
+    so checkpoints from any layout line up; an interleaved stage keeps its chunks in layer order.
+    The embedding stays with the first stage and the loss with the last (virtual stage 0 and
+    pp * vp - 1 are on those ranks)."""
     h = model.transformer.h
-    model.transformer.h = torch.nn.ModuleDict({str(i): h[i] for i in stage_layers(len(h), grid.pp, grid.pp_rank)})
+    held = [i for chunk in rank_layers(len(h), grid.pp, grid.vp, grid.pp_rank) for i in chunk]
+    model.transformer.h = torch.nn.ModuleDict({str(i): h[i] for i in held})
     first, last = grid.first_stage, grid.last_stage
     if first and not last:
         model.transformer.wte.weight.tied_embedding = True  # its twin is the last stage's lm_head

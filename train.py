@@ -134,7 +134,8 @@ def setup(cfg: config.TrainConfig) -> Run:
     precision = stability.PRECISIONS[cfg.precision]
     out = Path(cfg.out)
     rundir.check_out(out)
-    grid = parallel.init_grid(cfg.tp, cfg.pp, device, cfg.timeout, sp=cfg.sp, cp=cfg.cp, cp_attn=cfg.cp_attn)
+    grid = parallel.init_grid(cfg.tp, cfg.pp, device, cfg.timeout, sp=cfg.sp, cp=cfg.cp, cp_attn=cfg.cp_attn,
+                              vp=cfg.virtual_stages)
     device = grid.device
     per_rank = config.check_batch(cfg, grid)  # before the data: a wrong layout fails in a second, not minutes
     lock, run_id = claim_out(cfg, grid)
@@ -165,7 +166,7 @@ def setup(cfg: config.TrainConfig) -> Run:
     opt = make_optimizer(model, cfg, device, sync)
     gather = zero.ParamGather(model, sync, grid) if cfg.zero == 3 else None  # after the optimizer sharded the weights
     stages = pipeline.Pipeline(model, grid, cfg.pp_schedule, grad_sync=sync) if grid.pp > 1 else None
-    if stages and cfg.pp_schedule == "1f1b" and cfg.micro_batch_size * grid.pp > per_rank:
+    if stages and cfg.pp_schedule != "gpipe" and cfg.micro_batch_size * grid.pp > per_rank:
         grid.log(f"warning: {per_rank // cfg.micro_batch_size} micro-batches for {grid.pp} stages: the "
                  "pipeline bubble dominates; use more micro-batches (smaller --micro-batch-size)")
     scaler = stability.LossScaler(precision.loss_scaling, cfg.loss_scale, cfg.loss_scale_window)
@@ -333,7 +334,7 @@ def checkpoint_meta(run: Run) -> dict:
 # make no difference to the math: logging, checkpoint cadence, fault injection).
 SCHEDULE = ("lr", "min_lr", "warmup_steps", "max_steps")
 UPDATE = ("weight_decay", "clip", "dropout", "loss_scale_window", "max_bad_steps", "spike_z", "spike_window")
-LAYOUT = ("tp", "pp", "sp", "cp", "cp_attn", "zero", "micro_batch_size", "pp_schedule")
+LAYOUT = ("tp", "pp", "sp", "cp", "cp_attn", "zero", "micro_batch_size", "pp_schedule", "virtual_stages")
 KERNELS = ("attn", "compile", "device", "recompute")
 
 
@@ -496,13 +497,23 @@ def first_step_reports(run: Run) -> list[str]:
     if cfg.memory_report:
         out.append(memory_report(run))
     if cfg.print_schedule and run.pipe:
-        ops = run.pipe.all_stage_ops()
-        peaks = torch.zeros(grid.pp, dtype=torch.long, device=grid.device)
-        grid.all_gather(peaks, torch.tensor([run.pipe.peak_live], device=grid.device), "pp")
-        out.append(f"pipeline schedule {cfg.pp_schedule}, {len(ops)} stages, {len(ops[0]) // 2} micro-batches:\n"
-                   + pipeline.draw_schedule(ops) + "\nmicro-batches of activations held at once, by stage: "
-                   + ", ".join(f"{s}: {int(n)}" for s, n in enumerate(peaks)))
+        out.append(schedule_report(run))
     return out if grid.is_logger else []
+
+
+def schedule_report(run: Run) -> str:
+    """--print-schedule: the ops every stage ran, on a clock, with the bubble they leave next to the
+    paper's, and the most activations each stage held (interleaved: of one chunk, 1/v of a stage's)."""
+    cfg, grid = run.cfg, run.grid
+    ops = run.pipe.all_stage_ops()
+    peaks = torch.zeros(grid.pp, dtype=torch.long, device=grid.device)
+    grid.all_gather(peaks, torch.tensor([run.pipe.peak_live], device=grid.device), "pp")
+    m = cfg.batch_size // grid.dp // cfg.micro_batch_size
+    chunks = f" of {grid.vp} chunks each (a, b, ...: chunk 0, 1, ...)" if grid.vp > 1 else ""
+    held = "(micro-batch, chunk) activations" if grid.vp > 1 else "micro-batches of activations"
+    return (f"pipeline schedule {cfg.pp_schedule}, {grid.pp} stages{chunks}, {m} micro-batches:\n"
+            + pipeline.draw_schedule(ops) + f"\n{held} held at once, by stage: "
+            + ", ".join(f"{s}: {int(n)}" for s, n in enumerate(peaks)))
 
 
 def memory_report(run: Run) -> str:

@@ -24,10 +24,27 @@ STEPS = ["--max-steps", "4", "--ckpt-every", "0"]
 
 
 @pytest.fixture(scope="module")
-def reference(corpus, tmp_path_factory):
-    out = tmp_path_factory.mktemp("single")
-    run_train(corpus, out, *STEPS)
-    return metrics(out), final_weights(out)
+def references(corpus, tmp_path_factory):
+    """The single-process run of each model depth the layouts use (their --n-layer flags), run once."""
+    runs = {}
+
+    def reference(*depth: str):
+        if depth not in runs:
+            out = tmp_path_factory.mktemp("single")
+            run_train(corpus, out, *STEPS, *depth)
+            runs[depth] = metrics(out), final_weights(out)
+        return runs[depth]
+    return reference
+
+
+@pytest.fixture(scope="module")
+def reference(references):
+    return references()
+
+
+def depth(flags: list[str]) -> list[str]:
+    """The --n-layer flag among a layout's flags (none: the tiny preset's 4 layers)."""
+    return flags[flags.index("--n-layer"):][:2] if "--n-layer" in flags else []
 
 
 def assert_same_run(reference, out):
@@ -64,14 +81,18 @@ LAYOUTS = {
     "tp2xpp2-sp-recompute-full": (4, ["--tp", "2", "--pp", "2", "--sp", "--micro-batch-size", "2",
                                       "--recompute", "full"]),
     "3d-2x2x2-sp-zero2": (8, ["--tp", "2", "--pp", "2", "--sp", "--zero", "2", "--micro-batch-size", "1"]),
+    # 8 virtual stages of one layer each; reproduces the 8-layer single-process run
+    "pp4-interleaved-v2": (4, ["--pp", "4", "--pp-schedule", "interleaved", "--virtual-stages", "2",
+                               "--micro-batch-size", "1", "--n-layer", "8"]),
 }
+INTERLEAVED = LAYOUTS["pp4-interleaved-v2"][1]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_layout_reproduces_single_process(layout, reference, corpus, tmp_path):
+def test_layout_reproduces_single_process(layout, references, corpus, tmp_path):
     nproc, flags = LAYOUTS[layout]
     result = run_train(corpus, tmp_path, *STEPS, *flags, "--comm-report", nproc=nproc)
-    assert_same_run(reference, tmp_path)
+    assert_same_run(references(*depth(flags)), tmp_path)
     assert "formula matches measurement on every rank: yes" in result.stdout, result.stdout[-3000:]
 
 
@@ -124,6 +145,65 @@ def test_pipeline_bubble_and_activation_memory(corpus, tmp_path):
         assert peaks == ([4 - r for r in range(4)] if schedule == "1f1b" else [m] * 4)
 
 
+def test_interleaved_bubble_and_activation_memory(corpus, tmp_path):
+    """p = 4 ranks of v = 2 chunks, m = 8: the bubble the stages ran is (p-1)/(v m + p-1) = 3/19, and
+    rank r holds its warm-up, (p - r - 1) * 2 + (v - 1) * p, plus one chunk-activations at most."""
+    out = run_train(corpus, tmp_path, "--max-steps", "1", *INTERLEAVED, "--print-schedule", nproc=4).stdout
+    bubble = [ln for ln in out.splitlines() if ln.startswith("bubble")][0]
+    assert float(bubble.split()[1]) == pytest.approx(3 / 19, abs=1e-3), bubble
+    assert "(p-1)/(v*m+p-1) = 0.158" in bubble, bubble
+    assert "stage 3 |  .   .   . F0a F1a F2a F3a F0b B0b F1b B1b" in out, out[-3000:]
+    held = out.split("held at once, by stage: ")[1].splitlines()[0]
+    assert [int(x.split(": ")[1]) for x in held.split(", ")] == [(4 - r - 1) * 2 + 4 + 1 for r in range(4)]
+
+
+@pytest.mark.parametrize("saved,loaded", [((1, []), (4, INTERLEAVED)), ((4, INTERLEAVED), (2, ["--pp", "2"]))],
+                         ids=["1-to-interleaved", "interleaved-to-pp2"])
+def test_interleaved_checkpoints_continue_at_another_layout(saved, loaded, references, corpus, tmp_path):
+    """Blocks keep their global names, so an interleaved rank's chunks save and load like any stage."""
+    (n1, f1), (n2, f2) = saved, loaded
+    flags = [*STEPS, "--n-layer", "8", "--ckpt-every", "2"]
+    killed = run_train(corpus, tmp_path, *flags, *f1, "--crash-at", "step:2", nproc=n1, check=False)
+    assert killed.returncode != 0
+    resumed = run_train(corpus, tmp_path, *flags, *f2, nproc=n2)
+    assert "(step 2)" in resumed.stdout
+    assert_same_run(references("--n-layer", "8"), tmp_path)
+
+
+def test_interleaved_schedule_is_megatrons():
+    """Warm-up (p - rank - 1) * 2 + (v - 1) * p forwards, micro-batches in groups of p per chunk, and
+    the same forward order on every rank (so the n-th activation one rank sends is the n-th the
+    next one expects)."""
+    p, m, v = 4, 8, 2
+    ops = [pipeline.interleaved_1f1b(p, r, m, v) for r in range(p)]
+    assert ops[0][:5] == [("F", 0, 0), ("F", 1, 0), ("F", 2, 0), ("F", 3, 0), ("F", 0, 1)]
+    for r in range(p):
+        warmup = next(k for k, op in enumerate(ops[r]) if op[0] == "B") - 1
+        assert warmup == (p - r - 1) * 2 + (v - 1) * p
+        assert [op for op in ops[r] if op[0] == "F"] == [op for op in ops[0] if op[0] == "F"]
+        assert sorted(ops[r]) == sorted((k, i, c) for k in "BF" for i in range(m) for c in range(v))
+    assert [op for op in ops[3] if op[0] == "B"][:5] == [("B", 0, 1), ("B", 1, 1), ("B", 2, 1), ("B", 3, 1),
+                                                         ("B", 0, 0)]
+    with pytest.raises(parallel.LayoutError, match="multiple of --pp 4"):
+        pipeline.interleaved_1f1b(4, 0, 6, 2)
+
+
+@pytest.mark.parametrize("p,m,v", [(2, 2, 2), (2, 8, 3), (3, 3, 2), (3, 6, 4), (4, 4, 2), (4, 8, 2), (4, 12, 3),
+                                   (8, 16, 2)])
+def test_pipeline_messages_pair_up_and_never_deadlock(p, m, v):
+    """check_messages replays the executor's batches of sends and receives under NCCL's semantics (a
+    send waits for its receive): every schedule passes, training and evaluation alike. Interleaved with a
+    steady state, one op per batch would deadlock around the ring of ranks; a steady F and B share one."""
+    for ops, pair in (([pipeline.gpipe(p, r, m) for r in range(p)], False),
+                      ([pipeline.one_f_one_b(p, r, m) for r in range(p)], False),
+                      ([pipeline.interleaved_1f1b(p, r, m, v) for r in range(p)], True)):
+        pipeline.check_messages(ops, pair)
+        pipeline.check_messages([[op for op in row if op[0] == "F"] for row in ops], pair)
+    if m > p:  # with a steady state
+        with pytest.raises(parallel.LayoutError, match="deadlock"):
+            pipeline.check_messages([pipeline.interleaved_1f1b(p, r, m, v) for r in range(p)], pair=False)
+
+
 def test_schedules_are_what_the_papers_say():
     assert pipeline.one_f_one_b(4, 0, 6)[:4] == [("F", 0), ("F", 1), ("F", 2), ("F", 3)]
     assert pipeline.one_f_one_b(4, 3, 6)[:2] == [("F", 0), ("B", 0)]
@@ -149,6 +229,13 @@ def test_grid_rank_order():
     (4, ["--pp", "4", "--preset", "tiny", "--max-steps", "1"], None),
     (2, ["--batch-size", "6", "--micro-batch-size", "2"], "does not divide the per-rank batch 3"),
     (3, ["--tp", "3"], "does not divide the model's 4 attention heads"),
+    (4, ["--pp", "4", "--pp-schedule", "interleaved", "--virtual-stages", "2", "--micro-batch-size", "1"],
+     "--pp 4 x --virtual-stages 2 = 8 virtual stages but the model has only 4 layers"),
+    (1, ["--pp", "2", "--pp-schedule", "interleaved"], "--pp-schedule interleaved needs --pp 2 or more and "
+     "--virtual-stages 2 or more"),
+    (1, ["--pp", "2", "--virtual-stages", "2"], "--virtual-stages 2 needs --pp-schedule interleaved"),
+    (2, ["--pp", "2", "--pp-schedule", "interleaved", "--virtual-stages", "2", "--micro-batch-size", "8"],
+     "needs the micro-batches per step (1 = 8 sequences per rank / --micro-batch-size 8) to be a multiple of --pp 2"),
 ])
 def test_bad_layouts_fail_clearly(nproc, flags, message, corpus, tmp_path):
     result = run_train(corpus, tmp_path, *flags, nproc=nproc, check=False, timeout=120)

@@ -43,6 +43,14 @@ def test_bubble_is_the_formula_and_the_simulated_1f1b_schedule(pp, m):
     assert p["bubble"] == pytest.approx(pipeline.bubble_fraction(ops))
 
 
+@pytest.mark.parametrize("pp,m,v", [(2, 2, 2), (2, 4, 4), (3, 6, 2), (4, 4, 2), (4, 8, 2), (4, 16, 3), (8, 64, 2)])
+def test_bubble_is_the_formula_and_the_simulated_interleaved_schedule(pp, m, v):
+    """Narayanan et al. 2021, section 2.2.2: v chunks per rank cut the bubble to (p-1)/(v m + p-1)."""
+    ops = [pipeline.interleaved_1f1b(pp, r, m, v) for r in range(pp)]
+    assert pipeline.bubble_fraction(ops) == pytest.approx((pp - 1) / (v * m + pp - 1))
+    assert pipeline.bubble_formula(pp, m, v) == pytest.approx((pp - 1) / (v * m + pp - 1))
+
+
 def test_zero1_shards_only_the_optimizer_over_dp():
     shape = dict(n_layer=32, n_head=32, d_model=4096, vocab=32000, seq_len=4096, batch=512, tp=2)
     one, eight = (formulas.plan(n_gpus=2 * dp, **shape)["memory"] for dp in (1, 8))
