@@ -29,7 +29,7 @@ ring (Liu et al. 2023, "Ring Attention with Blockwise Transformers"; Megatron-LM
     Then every step of the ring costs every rank the same: its own block (step 0) is a small causal
     attention; a block from an earlier rank j < i is seen whole by both its chunks' queries, but only
     its first chunk is earlier than them; from a later rank j > i, only the late chunk 2N-1-i sees it,
-    all of it. Either way a quarter of the (2c x 2c) scores, c = T/2N.
+    all of it. Either way half of the (2c x 2c) scores, c = T/2N, as on the diagonal.
 
 ulysses (Jacobs et al. 2023, "DeepSpeed Ulysses"). One all-to-all turns (T/N tokens, all heads) into
     (all T tokens, H/N heads); attention runs on whole sequences with any backend, our kernel included;
@@ -181,9 +181,10 @@ class RingAttentionFn(torch.autograd.Function):
             merge(out[:, :, rows], lse[:, :, rows], o_b, lse_b)
             wait_all(works)
             kv = incoming
-        out = out.to(qkv.dtype)
-        ctx.save_for_backward(qkv, out, lse)  # O(T/cp) per rank: no scores are kept
-        return out
+        B, Tl, _, H, D = qkv.shape
+        out = qkv.new_empty(B, Tl, H, D).transpose(1, 2).copy_(out)  # laid out (B, T, H, D): the model's
+        ctx.save_for_backward(qkv, out, lse)  # transpose back is free, and c_proj saves this very tensor
+        return out  # O(T/cp) per rank is all that is kept: no scores
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
@@ -243,8 +244,7 @@ class RingAttention(nn.Module):
         super().__init__()
         self.grid, self.backend, self.local = grid, backend, Attention(backend)
 
-    @torch.compiler.disable  # point-to-point messages inside an autograd Function: run it eagerly
-    def forward(self, qkv):
+    def forward(self, qkv):  # (train.compile_model keeps it out of the compiled graph)
         if not self.grid.cp_on:
             return self.local(qkv)
         return RingAttentionFn.apply(qkv, self.grid, self.backend == "triton")
@@ -284,7 +284,6 @@ class UlyssesAttention(nn.Module):
         super().__init__()
         self.grid, self.backend, self.local = grid, backend, Attention(backend)
 
-    @torch.compiler.disable
     def forward(self, qkv):  # (B, T/cp, 3, H, D)
         if not self.grid.cp_on:
             return self.local(qkv)

@@ -141,8 +141,8 @@ def context_traffic(grid: Grid, act: int, recompute: str) -> dict:
 
 
 def zero_traffic(sync: GradSync, n_micro: int, weight_bytes: int) -> dict:
-    """The data-parallel bytes of one step (over dp x cp ranks), by ZeRO stage, for Ψ parameters in fp32 gradient buckets
-    (padded to dp shards under ZeRO) and weights of `weight_bytes` each:
+    """The data-parallel bytes of one step (over the dp x cp ranks), by ZeRO stage, for Ψ parameters in
+    fp32 gradient buckets (padded to dp shards under ZeRO) and weights of `weight_bytes` each:
         0  all-reduce 4Ψ, once per step
         1  reduce-scatter 4Ψ once, all-gather the new weights once: the same ring bytes as stage 0
         2  reduce-scatter 4Ψ every micro-batch (nothing is held whole), all-gather once
@@ -192,9 +192,10 @@ def zero_memory_report(opt, model: torch.nn.Module, grid: Grid) -> str:
     """Optimizer state on this rank against the ZeRO paper's K = 12 bytes per parameter / dp."""
     n = sum(p.numel() for p in model.parameters())
     measured = opt.memory_bytes() if isinstance(opt, ZeroAdamW) else 8 * n  # torch AdamW: two fp32 moments
-    formula = (12 if isinstance(opt, ZeroAdamW) else 8) * n / (grid.dp if isinstance(opt, ZeroAdamW) else 1)
+    formula = (12 if isinstance(opt, ZeroAdamW) else 8) * n / (grid.dp_cp if isinstance(opt, ZeroAdamW) else 1)
     return (f"optimizer state on rank {grid.rank}: {measured:,} bytes for {n:,} local parameters; "
-            f"formula {'12 N / dp' if isinstance(opt, ZeroAdamW) else '8 N'} = {formula:,.0f} "
+            f"formula {('12 N / dp' + (' cp' if grid.cp > 1 else '')) if isinstance(opt, ZeroAdamW) else '8 N'} "
+            f"= {formula:,.0f} "
             f"(padding {measured - formula:,.0f} bytes)")
 
 
@@ -233,8 +234,9 @@ def state_formula(model: torch.nn.Module, opt, sync: GradSync | None, grid: Grid
     parameter dtype), fp32 gradients (4; without data parallelism, p.grad in the weights' dtype) and
     K = 12 bytes of optimizer state (fp32 master, exp_avg, exp_avg_sq; torch's AdamW on fp32 weights
     keeps only the moments, K = 2P). Ψ is this rank's parameters (tensor/pipeline parallelism already
-    divided them), padded to N equal shards under ZeRO; N = dp."""
-    zero, n = (sync.zero if sync is not None else 0), grid.dp
+    divided them), padded to N equal shards under ZeRO; N = dp (times cp: context-parallel ranks hold
+    replicas too)."""
+    zero, n = (sync.zero if sync is not None else 0), grid.dp_cp
     P = next(model.parameters()).element_size()
     psi = sum(b.padded for b in sync.buckets) if zero else sum(p.numel() for p in model.parameters())
     G = 4 if sync is not None else P
@@ -343,8 +345,10 @@ class SavedActivations:
 def memory_report(state: dict[str, int], formula: dict, acts: SavedActivations, predicted: tuple[float, float],
                   grid: Grid, zero: int, recompute: str) -> str:
     """This rank's memory, measured next to the formulas; one block per rank."""
-    lines = [f"memory on rank {grid.rank} (dp {grid.dp_rank}, tp {grid.tp_rank}, pp {grid.pp_rank}), "
-             f"ZeRO stage {zero}, N = dp = {grid.dp}:",
+    cp = f"cp {grid.cp_rank}, " if grid.cp > 1 else ""
+    n = f"N = dp x cp = {grid.dp_cp}" if grid.cp > 1 else f"N = dp = {grid.dp}"
+    lines = [f"memory on rank {grid.rank} (dp {grid.dp_rank}, {cp}tp {grid.tp_rank}, pp {grid.pp_rank}), "
+             f"ZeRO stage {zero}, {n}:",
              f"  {'':<12}{'measured bytes':>16}{'formula':>16}  {'':<10}match"]
     for kind, measured in state.items():
         value, text = formula[kind]

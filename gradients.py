@@ -21,6 +21,10 @@ Where a gradient lives between the backward and the optimizer, by ZeRO stage (Ra
 Stage 2 pays for its memory with traffic under gradient accumulation: a bucket cannot wait for the
 last micro-batch without being held whole, so each micro-batch's backward reduce-scatters it.
 
+"Data-parallel" here means every rank that holds the same weights: with context parallelism (context.py)
+the cp ranks of a data-parallel rank hold replicas too, each with the gradient of its slice of the
+tokens, so the buckets are averaged (and ZeRO shards them) over the `dp_cp` group of dp x cp ranks.
+
 Which rank's copy of a replicated tensor counts is one rule, `Grid.owns`, shared with the
 checkpoints (which save exactly the copies that count).
 """

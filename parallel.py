@@ -274,9 +274,8 @@ class Grid:
                  + (f" (context parallel: {self.cp_attn} attention)" if self.cp > 1 else "")
                  + (f" (interleaved: {self.vp} chunks of layers per stage)" if self.vp > 1 else "")]
         for p in range(self.pp):
-            def tp_group(d, c):
-                return "[" + " ".join(f"{self.rank_of(p, d, t, c)}" for t in range(self.tp)) + "]"
-            rings = [" ".join(tp_group(d, c) for c in range(self.cp)) for d in range(self.dp)]
+            rings = [" ".join("[" + " ".join(f"{self.rank_of(p, d, t, c)}" for t in range(self.tp)) + "]"
+                              for c in range(self.cp)) for d in range(self.dp)]
             row = "  ".join(f"({r})" for r in rings) if self.cp > 1 else "  ".join(rings)
             lines.append(f"  stage {p}: {row}    (each [...] is a tensor-parallel group"
                          + (", each (...) a context-parallel ring)" if self.cp > 1 else ")"))

@@ -76,8 +76,11 @@ def compile_model(model: torch.nn.Module, grid: parallel.Grid, fullgraph: bool =
     regions = list(model.transformer.h.children())
     if grid.tp == 1 and grid.last_stage:
         regions.append(model.loss)
+    if grid.cp > 1:  # ring/Ulysses attention sends messages inside autograd Functions: run it eagerly,
+        for block in regions[:len(model.transformer.h)]:  # between two graphs of its block
+            block.attn.core.forward = torch.compiler.disable(block.attn.core.forward)
     for module in regions:
-        module.compile(fullgraph=fullgraph)
+        module.compile(fullgraph=fullgraph and grid.cp == 1)
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -522,8 +525,9 @@ def memory_report(run: Run) -> str:
     if run.gather is not None and not run.gather.all_free():
         raise RuntimeError("ZeRO-3 left weights gathered after the step")  # a leak the report would hide
     elem = (stability.PRECISIONS[cfg.precision].compute or torch.float32).itemsize
-    predicted = formulas.activation_formula(run.model_cfg, cfg.seq_len, cfg.micro_batch_size, grid.tp, grid.sp,
-                                            cfg.recompute, cfg.attn, elem, 1 if run.device.type == "cuda" else elem)
+    predicted = formulas.activation_formula(run.model_cfg, cfg.seq_len // grid.cp, cfg.micro_batch_size, grid.tp,
+                                            grid.sp, cfg.recompute, cfg.attn, elem,
+                                            1 if run.device.type == "cuda" else elem)
     text = formulas.memory_report(run.memory["state"], formulas.state_formula(run.model, run.opt, run.sync, grid),
                                   run.memory["activations"], predicted, grid, cfg.zero, cfg.recompute)
     if grid.world == 1:

@@ -109,6 +109,60 @@ def test_kernel_matches_float64_like_sdpa_and_is_deterministic():
     print("".join(outs))  # the table of errors, ours next to SDPA's: pytest -s shows it
 
 
+def check_ring_blocks(device: str, dtype: str, head_dim: int, T: int = 1024, cp: int = 4,
+                      factor: float = 8.0) -> None:
+    """Ring attention's arithmetic (context.py) on one GPU: the cp ranks' blocks computed one after another
+    by our kernel (causal on the diagonal, the unmasked mode with Tq != Tk off it), merged by their
+    log-sum-exps, and the backward of every block from the merged output, put together: o, dq, dk, dv
+    against float64, next to SDPA over the whole sequence. Each block's result is rounded to the 16-bit
+    dtype before the fp32 merge, so errors may add over the cp blocks: `factor` is 8, not 3; an indexing or
+    masking bug is orders of magnitude larger. (No communication here: one GPU cannot hold an NCCL ring.)"""
+    import context
+
+    kernels = compiled_kernels(device)
+    dt = getattr(torch, dtype)
+    gen = torch.Generator(device).manual_seed(head_dim)
+    qkv = torch.randn(2, T, 3, 2, head_dim, device=device, generator=gen).to(dt)
+    do = torch.randn(2, 2, T, head_dim, device=device, generator=gen).to(dt)
+    want = attention_and_grads(kernels.attention_math, qkv.double(), do.double())
+    sdpa = attention_and_grads(kernels.attention_sdpa, qkv, do)
+    q, k, v = qkv.permute(2, 0, 3, 1, 4)  # (B, H, T, D)
+    pos, c = [context.positions(T, cp, r, device) for r in range(cp)], T // (2 * cp)
+    o, lse = torch.empty_like(q), torch.empty(q.shape[:-1], device=device)
+    for i in range(cp):  # forward: rank i's queries against every rank's block
+        shape = q[:, :, pos[i]].shape
+        out, l_i = torch.zeros(shape, device=device), torch.full(shape[:-1], -torch.inf, device=device)
+        for j in range(cp):
+            rows, keys, causal = context.step_blocks(i, j, c)
+            o_b, l_b = context.block_attention(q[:, :, pos[i][rows]], k[:, :, pos[j][keys]], v[:, :, pos[j][keys]],
+                                               causal, kernel=True)
+            context.merge(out[:, :, rows], l_i[:, :, rows], o_b, l_b)
+        o[:, :, pos[i]], lse[:, :, pos[i]] = out.to(dt), l_i
+    grads = [torch.zeros(q.shape, device=device) for _ in range(3)]
+    for i in range(cp):  # backward: every block's share, from the merged output and log-sum-exp
+        for j in range(cp):
+            rows, keys, causal = context.step_blocks(i, j, c)
+            mine, theirs = pos[i][rows], pos[j][keys]
+            dq, dk, dv = context.block_attention_backward(q[:, :, mine], k[:, :, theirs], v[:, :, theirs],
+                                                          o[:, :, mine], lse[:, :, mine], do[:, :, mine], causal,
+                                                          kernel=True)
+            grads[0][:, :, mine] += dq
+            grads[1][:, :, theirs] += dk
+            grads[2][:, :, theirs] += dv
+    floor = torch.finfo(dt).eps / 8
+    for name, g, s, w in zip(("o", "dq", "dk", "dv"), [o, *grads], sdpa, want, strict=True):
+        err, err_sdpa = (g.double() - w).abs().max().item(), (s.double() - w).abs().max().item()
+        print(f"ring {dtype} D={head_dim} T={T} cp={cp} {name:<3} max error ours {err:.2e}  sdpa {err_sdpa:.2e}")
+        assert err <= factor * err_sdpa + floor, f"ring {name}: max error {err:.2e}, SDPA's {err_sdpa:.2e}"
+
+
+def test_ring_attention_blocks_on_the_kernel_match_float64():
+    """Context parallelism's ring on our kernel, bf16 and fp16, head dims 64 and 128."""
+    outs = run_python(*(f"import test_gpu; test_gpu.check_ring_blocks('cuda', {dtype!r}, {D})"
+                        for dtype in ("bfloat16", "float16") for D in (64, 128)))
+    print("".join(outs))
+
+
 def check_compiled_model(device: str, dtype: str = "bfloat16", tol: float = 3e-2) -> None:
     """A small GPT-2 with attn="triton" (head dim 64), compiled as train.py does (every block, the fused
     loss) with fullgraph=True (a graph break is an error), one forward and backward under autocast: the

@@ -114,6 +114,27 @@ def test_log_sum_exp_is_saved_in_base_2():
     assert torch.allclose(lse.double(), torch.logsumexp(scores, -1) / math.log(2), atol=1e-5)
 
 
+UNMASKED = [(40, 24, 16), (17, 100, 32), (64, 64, 64), (1, 33, 16), (96, 8, 16)]
+
+
+@pytest.mark.parametrize("TQ,TK,D", UNMASKED, ids=[f"q{a}-k{b}-D{c}" for a, b, c in UNMASKED])
+def test_unmasked_mode_with_another_key_count_matches_float64(TQ, TK, D):
+    """Ring attention's blocks off the diagonal (context.py): causal=False, every query sees all TK keys,
+    TQ != TK, and the log-sum-exp of every row comes back (base 2) so that blocks can be merged."""
+    gen = torch.Generator().manual_seed(TQ * 1000 + TK)
+    q, do = torch.randn(2, 3, TQ, D, generator=gen), torch.randn(2, 3, TQ, D, generator=gen)
+    k, v = torch.randn(2, 3, TK, D, generator=gen), torch.randn(2, 3, TK, D, generator=gen)
+    cfg = kernels.INTERPRETER_LAUNCH
+    o, lse = flash_forward(q, k, v, cfg, causal=False)
+    grads = flash_backward(q, k, v, o, lse, do, cfg, causal=False)
+    q64, k64, v64 = (x.double().requires_grad_() for x in (q, k, v))
+    scores = q64 @ k64.transpose(-2, -1) / math.sqrt(D)  # no mask
+    o64 = torch.softmax(scores, -1) @ v64
+    o64.backward(do.double())
+    assert_close((o, *grads), (o64.detach(), q64.grad, k64.grad, v64.grad), torch.float32)
+    assert (lse.double() * math.log(2) - torch.logsumexp(scores.detach(), -1)).abs().max() <= 1e-5
+
+
 def test_backward_is_deterministic():
     _, (q, k, v) = qkv_view(1, 50, 2, 16, torch.float32)
     do = torch.randn(1, 2, 50, 16)

@@ -63,16 +63,13 @@ LAYOUTS = {
     "dp2": (2, []),
     "dp4-accum": (4, ["--micro-batch-size", "1"]),
     "dp2-zero1": (2, ["--zero", "1", "--bucket-mb", "0.05"]),
-    "dp2-zero2-accum": (2, ["--zero", "2", "--bucket-mb", "0.05", "--micro-batch-size", "2"]),
     "dp4-zero2-accum": (4, ["--zero", "2", "--micro-batch-size", "1"]),
     "dp2-zero3-accum-recompute-full": (2, ["--zero", "3", "--micro-batch-size", "2", "--recompute", "full"]),
     "dp4-zero3-accum": (4, ["--zero", "3", "--micro-batch-size", "1"]),
     "tp2xdp2-sp-zero3": (4, ["--tp", "2", "--sp", "--zero", "3", "--micro-batch-size", "2"]),
-    "tp2": (2, ["--tp", "2"]),
     "tp2-sp": (2, ["--tp", "2", "--sp"]),
     "tp4-sp": (4, ["--tp", "4", "--sp", "--micro-batch-size", "4"]),
     "tp2xdp2": (4, ["--tp", "2", "--micro-batch-size", "2"]),
-    "pp2-1f1b": (2, ["--pp", "2", "--micro-batch-size", "1"]),
     "pp4-1f1b": (4, ["--pp", "4", "--micro-batch-size", "1"]),
     "pp4-gpipe": (4, ["--pp", "4", "--pp-schedule", "gpipe", "--micro-batch-size", "2"]),
     "tp2xpp2": (4, ["--tp", "2", "--pp", "2", "--micro-batch-size", "2"]),
@@ -81,6 +78,12 @@ LAYOUTS = {
     "tp2xpp2-sp-recompute-full": (4, ["--tp", "2", "--pp", "2", "--sp", "--micro-batch-size", "2",
                                       "--recompute", "full"]),
     "3d-2x2x2-sp-zero2": (8, ["--tp", "2", "--pp", "2", "--sp", "--zero", "2", "--micro-batch-size", "1"]),
+    # context parallelism: ring (the default) and Ulysses, with ZeRO over dp x cp, with tp + sp, with pp
+    "cp2xdp2-zero3": (4, ["--cp", "2", "--zero", "3", "--micro-batch-size", "2", "--bucket-mb", "0.05"]),
+    "cp4-ring": (4, ["--cp", "4"]),
+    "cp4-ulysses-recompute-selective": (4, ["--cp", "4", "--cp-attn", "ulysses", "--recompute", "selective"]),
+    "cp2xtp2-sp": (4, ["--cp", "2", "--tp", "2", "--sp"]),
+    "cp2xpp2": (4, ["--cp", "2", "--pp", "2", "--micro-batch-size", "2"]),
     # 8 virtual stages of one layer each; reproduces the 8-layer single-process run
     "pp4-interleaved-v2": (4, ["--pp", "4", "--pp-schedule", "interleaved", "--virtual-stages", "2",
                                "--micro-batch-size", "1", "--n-layer", "8"]),
@@ -221,10 +224,17 @@ def test_grid_rank_order():
     assert (g.pp_rank, g.dp_rank, g.tp_rank) == (1, 0, 1)
     assert [parallel.Grid(tp=2, pp=2, dp=2, rank=r).rank_of(1, 1, 0) for r in range(1)] == [6]
     assert "stage 1: [4 5]  [6 7]" in str(g)
+    g = parallel.Grid(tp=2, cp=2, dp=2, pp=1, rank=5)  # rank = ((pp * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
+    assert (g.dp_rank, g.cp_rank, g.tp_rank, g.dp_cp_rank) == (1, 0, 1, 2)
+    assert (g.cp_next, g.cp_prev) == (7, 7)
+    assert "stage 0: ([0 1] [2 3])  ([4 5] [6 7])" in str(g)
 
 
 @pytest.mark.parametrize("nproc,flags,message", [
-    (3, ["--tp", "2"], "world size 3 is not divisible by tp*pp"),
+    (3, ["--tp", "2"], "world size 3 is not divisible by tp*cp*pp"),
+    (2, ["--cp", "2", "--seq-len", "30"], "--cp 2 cuts each sequence into 2*cp = 4 chunks: --seq-len 30"),
+    (3, ["--cp", "3", "--cp-attn", "ulysses", "--seq-len", "48", "--batch-size", "6"],
+     "--cp-attn ulysses needs the heads per tensor-parallel rank (4) divisible by --cp 3"),
     (2, ["--tp", "2", "--sp", "--seq-len", "31"], "--sp needs --seq-len (31) divisible by --tp 2"),
     (4, ["--pp", "4", "--preset", "tiny", "--max-steps", "1"], None),
     (2, ["--batch-size", "6", "--micro-batch-size", "2"], "does not divide the per-rank batch 3"),

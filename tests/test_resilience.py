@@ -32,9 +32,9 @@ def assert_continues_like(straight, out, rel=1e-5):
     ((4, ["--tp", "2", "--pp", "2", "--micro-batch-size", "2"]), (4, ["--pp", "4", "--micro-batch-size", "1"])),
     ((4, ["--zero", "3"]), (2, ["--zero", "1"])),
     ((4, ["--zero", "3"]), (1, [])),
-    ((1, []), (4, ["--tp", "2", "--zero", "3"])),
-    ((2, ["--zero", "1"]), (4, ["--zero", "3"])),
-], ids=["tp2pp2-to-pp4", "dp4zero3-to-dp2zero1", "dp4zero3-to-1", "1-to-tp2dp2zero3", "dp2zero1-to-dp4zero3"])
+    ((1, []), (4, ["--tp", "2", "--cp", "2", "--zero", "3"])),
+    ((4, ["--cp", "2", "--cp-attn", "ulysses", "--zero", "1"]), (4, ["--zero", "3"])),
+], ids=["tp2pp2-to-pp4", "dp4zero3-to-dp2zero1", "dp4zero3-to-1", "1-to-tp2cp2zero3", "cp2dp2zero1-to-dp4zero3"])
 def test_a_checkpoint_continues_at_another_layout(saved, loaded, straight, corpus, tmp_path):
     (n1, f1), (n2, f2) = saved, loaded
     killed = run_train(corpus, tmp_path, *RUN, *f1, "--crash-at", "rank:0:step:4", nproc=n1, check=False)

@@ -1,0 +1,131 @@
+"""Context parallelism's attention cores against float64 attention, and their memory, on 2 and 4 gloo ranks.
+
+Every rank draws the same whole-sequence q, k, v, keeps its two chunks (context.split_sequence), runs
+ring or Ulysses attention on them, and checks its slice of the output and of the input gradient against
+causal attention over the whole sequence in float64. The training runs that prove --cp end to end are
+in test_parallel.py (equivalence with one process) and test_resilience.py (checkpoints across layouts).
+"""
+
+import math
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import context
+import formulas
+import parallel
+from kernels import unpack_qkv
+
+B, T, H, D = 2, 64, 4, 16
+
+
+def ranks(world: int, fn, *args) -> list:
+    """fn(grid, *args) on `world` context-parallel ranks; returns what each rank's fn returned."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.get_context("spawn").Manager().dict()
+    # spawn, not fork: a fork of a process whose OpenMP threads are running can deadlock in a matmul
+    mp.start_processes(worker, args=(world, port, fn, args, results), nprocs=world, start_method="spawn")
+    return [results[r] for r in range(world)]
+
+
+def worker(rank, world, port, fn, args, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        results[rank] = fn(parallel.Grid(cp=world, rank=rank, groups={"cp": None}), *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def whole_attention(qkv: torch.Tensor, dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention over the whole sequence in float64, and the gradient of qkv for dout."""
+    qkv = qkv.detach().double().requires_grad_()
+    q, k, v = unpack_qkv(qkv)
+    s = (q @ k.transpose(-2, -1)) / math.sqrt(D)
+    s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+    out = torch.softmax(s, dim=-1) @ v  # (B, H, T, D)
+    out.backward(dout.double())
+    return out.detach(), qkv.grad
+
+
+CORES = {"ring": context.RingAttention, "ulysses": context.UlyssesAttention}
+# (cp_attn, backend of the blocks, dtype): float64 through the math blocks and SDPA, fp32 through the
+# Triton kernel in the interpreter (which computes fp32 and fp16, not float64)
+CASES = [("ring", "math", torch.float64), ("ulysses", "sdpa", torch.float64),
+         ("ring", "triton", torch.float32), ("ulysses", "triton", torch.float32)]
+
+
+def errors(grid, attn, backend, dtype) -> tuple[float, float]:
+    """Max error of this rank's output and qkv gradient against whole-sequence attention."""
+    gen = torch.Generator().manual_seed(0)
+    qkv, dout = torch.randn(B, T, 3, H, D, generator=gen), torch.randn(B, H, T, D, generator=gen)
+    ref_out, ref_grad = whole_attention(qkv, dout)
+    mine = context.positions(T, grid.cp, grid.cp_rank)
+    local = qkv.index_select(1, mine).to(dtype).requires_grad_()
+    grid.cp_attn = attn
+    out = CORES[attn](grid, backend)(local)
+    out.backward(dout[:, :, mine].to(dtype))
+    return ((out.double() - ref_out[:, :, mine]).abs().max().item(),
+            (local.grad.double() - ref_grad[:, mine]).abs().max().item())
+
+
+def attention_peak(grid, seq_len: int) -> int:
+    """Peak bytes allocated on this rank by ring attention's forward and backward, for its slice of a
+    seq_len sequence (at cp = 1, plain math attention over all of it)."""
+    qkv = torch.randn(1, seq_len, 3, H, D, generator=torch.Generator().manual_seed(0))
+    local = (context.split_sequence(qkv, grid) if grid.cp > 1 else qkv).requires_grad_()
+    core = context.RingAttention(grid, "math")
+
+    def step():
+        out = core(local)
+        out.backward(torch.ones_like(out))
+    return formulas.peak_memory(step, torch.device("cpu"))
+
+
+PEAK_T = 512
+
+
+def everything(grid) -> dict:
+    return {"errors": {case: errors(grid, *case) for case in CASES}, "peak": attention_peak(grid, PEAK_T)}
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    """Each rank's results at cp = 2 and cp = 4 (one launch each: starting processes is the slow part)."""
+    return {cp: ranks(cp, everything) for cp in (2, 4)}
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("case", CASES, ids=[f"{a}-{b}" for a, b, _ in CASES])
+def test_attention_cores_match_whole_sequence_attention(results, cp, case):
+    """float64 in, float64 out: the merged blocks are exactly attention (1e-12). The Triton kernel's blocks
+    (fp32, in the interpreter) are merged by their log-sum-exps across the ring."""
+    tol = 1e-12 if case[2] == torch.float64 else 2e-5
+    for rank, result in enumerate(results[cp]):
+        out_err, grad_err = result["errors"][case]
+        assert out_err <= tol and grad_err <= tol, f"rank {rank}: output {out_err:.1e}, gradient {grad_err:.1e}"
+
+
+def test_ring_attention_memory_per_rank_falls_with_cp(results):
+    """At a fixed sequence, each rank's attention memory falls at least as 1/cp: its queries, keys, values
+    and output are T/cp long, and the score blocks it ever holds at most (T/cp)^2 (with the math blocks; the
+    flash kernel holds none). One process, cp = 1, holds the whole T x T scores."""
+    peaks = {1: attention_peak(parallel.Grid(), PEAK_T)} | {cp: max(r["peak"] for r in results[cp]) for cp in (2, 4)}
+    print(f"\nring attention peak bytes per rank at T = {PEAK_T}: {peaks}")
+    assert peaks[1] / peaks[2] >= 2 and peaks[2] / peaks[4] >= 2, peaks
+
+
+def test_positions_give_every_rank_an_early_and_a_late_chunk():
+    """chunk i and chunk 2cp-1-i: together the ranks hold every position once, and every rank holds as many
+    causal scores (its queries' positions summed, plus one each) as every other."""
+    T = 32
+    for cp in (1, 2, 4):
+        held = [context.positions(T, cp, r) for r in range(cp)]
+        assert sorted(torch.cat(held).tolist()) == list(range(T))
+        assert len({int((p + 1).sum()) for p in held}) == 1
