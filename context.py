@@ -80,16 +80,13 @@ def split_sequence(x: torch.Tensor, grid: Grid, dim: int = 1) -> torch.Tensor:
     return x.index_select(dim, positions(x.size(dim), grid.cp, grid.cp_rank, x.device))
 
 
-class SplitContext(nn.Module):
-    """After the embedding: keep this rank's tokens (the embedding itself saw whole sequences, so every
-    position got its own position embedding)."""
-
-    def __init__(self, grid: Grid):
-        super().__init__()
-        self.grid = grid
-
-    def forward(self, x):
-        return split_sequence(x, self.grid) if self.grid.cp_on else x
+def split_input(grid: Grid, dim: int):
+    """A forward pre-hook that gives an embedding only this rank's tokens (dim 1 of the token ids) or
+    their positions (dim 0 of the position indices): nothing is looked up, or all-reduced under tensor
+    parallelism, for tokens another rank holds."""
+    def hook(module, args):
+        return (split_sequence(args[0], grid, dim), *args[1:]) if grid.cp_on else None
+    return hook
 
 
 class ContextParallelLoss(nn.Module):
@@ -298,12 +295,13 @@ class UlyssesAttention(nn.Module):
 
 
 def apply_context_parallel(model: nn.Module, grid: Grid) -> None:
-    """Swap a meta-built GPT's attention cores for the cp ones, keep this rank's tokens after the
-    embedding, and give the loss this rank's targets. (After tensor parallelism: the context split comes
-    before the sequence-parallel split, the loss wraps the vocab-parallel one.)"""
+    """Swap a meta-built GPT's attention cores for the cp ones, embed only this rank's tokens at their
+    own positions, and give the loss this rank's targets. (After tensor parallelism: the loss wraps the
+    vocab-parallel one, and the sequence-parallel split then cuts this rank's T/cp tokens over tp.)"""
     core = {"ring": RingAttention, "ulysses": UlyssesAttention}[grid.cp_attn]
     for block in model.transformer.h:
         block.attn.core = core(grid, block.attn.backend)
-    model.transformer.drop = nn.Sequential(SplitContext(grid), model.transformer.drop)
+    model.transformer.wte.register_forward_pre_hook(split_input(grid, dim=1))  # ids (B, T) -> (B, T/cp)
+    model.transformer.wpe.register_forward_pre_hook(split_input(grid, dim=0))  # positions (T,) -> (T/cp,)
     model.loss = ContextParallelLoss(model.loss, grid)
 

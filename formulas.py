@@ -87,7 +87,6 @@ def expected_traffic(cfg: gpt.GPTConfig, grid: Grid, micro_batch: int, n_micro: 
     e, sp = defaultdict(int), grid.sp
     first, last = grid.first_stage, grid.last_stage
     layers = sum(len(chunk) for chunk in rank_layers(cfg.n_layer, grid.pp, grid.vp, grid.pp_rank))
-    embedded = micro_batch * seq_len * cfg.n_embd * 4  # the embedding sees whole sequences: cp splits after it
     seq_len //= grid.cp
     btc, bt = micro_batch * seq_len * cfg.n_embd * 4, micro_batch * seq_len * 4
     if grid.tp > 1:
@@ -98,7 +97,7 @@ def expected_traffic(cfg: gpt.GPTConfig, grid: Grid, micro_batch: int, n_micro: 
             per_micro[("reduce_scatter", "tp")] += 4 * layers * btc + again + (btc if last else 0)
         else:
             per_micro[("all_reduce", "tp")] += 4 * layers * btc + again + (btc if last else 0)
-        per_micro[("all_reduce", "tp")] += (embedded if first else 0) + (3 * bt if last else 0)
+        per_micro[("all_reduce", "tp")] += (btc if first else 0) + (3 * bt if last else 0)
         for k, v in per_micro.items():
             e[k] += n_micro * v
         if sp:  # LayerNorm and row-parallel bias gradients (under ZeRO, this rank's pieces), once per step
