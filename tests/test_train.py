@@ -39,7 +39,12 @@ def test_every_precision_learns(precision, corpus, tmp_path):
               "--lr", "3e-3", "--batch-size", "16", "--seq-len", "64")
     rows = metrics(tmp_path)
     assert rows[-1]["val_loss"] < rows[0]["loss"] - 1.5  # from ~5.6 (uniform over 257 bytes)
-    assert not any(r["skipped"] for r in rows[5:])
+    skipped = [r for r in rows[5:] if r["skipped"]]
+    if precision != "fp16":
+        assert not skipped
+    else:  # an fp16 overflow now and then is routine at 2^16: the scaler halves the scale and skips that step
+        assert len(skipped) <= 2, [r["step"] for r in skipped]
+        assert rows[-1]["loss_scale"] == 2.0**16 / 2 ** sum(r["skipped"] for r in rows)
 
 
 def test_fp16_overflow_is_skipped_and_the_scale_backs_off(corpus, tmp_path):
