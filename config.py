@@ -79,6 +79,8 @@ class TrainConfig:
     eval_batches: int = arg(4, "global batches of validation data per evaluation (fewer if the split is "
                             "smaller)", at_least(1))
     sample_tokens: int = arg(96, "tokens to sample at each evaluation (0: none)", at_least(0))
+    stats_every: int = arg(10, "per-layer gradient norms, update/weight ratios and activation RMS at step 1 and "
+                           "every N steps, to metrics.jsonl and out/report.html (0: off; stats.py)", at_least(0))
     # run
     out: str = arg("out", "run directory: metrics.jsonl, checkpoints (one run at a time holds it)")
     seed: int = arg(1337, "seed for the initial weights and the data order",

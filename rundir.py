@@ -4,7 +4,9 @@
         .lock           an OS lock (flock) held by the process training here. The kernel releases it
                         when that process ends, however it ends: a SIGKILLed run never leaves it stale.
         run.json        {"run": "5f0c9a3e1b2d", "started": ...}: the identity of the run this directory holds
-        metrics.jsonl   one JSON line per optimizer step, and one per event (start, resume, spike, checkpoint)
+        metrics.jsonl   one JSON line per optimizer step, and one per event (start, resume, spike, checkpoint,
+                        and every --stats-every steps `layers`: per-layer statistics, stats.py)
+        report.html     the dashboard of metrics.jsonl (dashboard.py), rewritten as the run goes
         ckpt/           the checkpoints (checkpoint.py); each one records the run id that wrote it
         previous/       what --fresh moved aside: earlier runs' run.json, metrics.jsonl and ckpt/
 
@@ -93,9 +95,14 @@ def read_run_id(out: Path) -> str | None:
         raise RunDirError(f"{path} is unreadable; restore it, or pass --fresh to start a new run") from None
 
 
+# Event lines that measure one step (stats.py's per-layer statistics): a replayed step writes them
+# again, so they are dropped with the step lines, not kept as history.
+STEP_EVENTS = ("layers",)
+
+
 class Metrics:
     """One JSON line per optimizer step in <out>/metrics.jsonl, written by rank 0 only. Event lines
-    ({"event": ...}) are history and are never removed."""
+    ({"event": ...}) are history and are never removed, except those in STEP_EVENTS."""
 
     def __init__(self, path: Path, enabled: bool, resume_step: int, log=print):
         self.path, self.enabled, self.log_line = path, enabled, log
@@ -118,7 +125,8 @@ class Metrics:
     def truncate(self, step: int) -> None:
         """Drop the step lines after `step`: a resumed or rolled-back run writes them again."""
         if self.enabled and self.path.exists():
-            keep = [r for r in self.rows() if "event" in r or r.get("step", 0) <= step]
+            history = lambda r: "event" in r and r["event"] not in STEP_EVENTS
+            keep = [r for r in self.rows() if history(r) or r.get("step", 0) <= step]
             tmp = self.path.with_name(self.path.name + ".tmp")
             tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
             os.replace(tmp, self.path)

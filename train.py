@@ -38,6 +38,7 @@ from tqdm import tqdm
 
 import checkpoint
 import config
+import dashboard
 import data
 import formulas
 import gradients
@@ -47,6 +48,7 @@ import parallel
 import pipeline
 import rundir
 import stability
+import stats
 import tokenizer
 import zero
 
@@ -108,6 +110,7 @@ class Run:
     pipe: pipeline.Pipeline | None = None  # this rank's pipeline stage, when --pp > 1
     gather: zero.ParamGather | None = None  # ZeRO-3's weight gathering, when --zero 3
     memory: dict | None = None  # --memory-report: what the first step measured ("state", "activations")
+    layer_stats: stats.LayerStats | None = None  # per-layer statistics every --stats-every steps
     step: int = 0
     skip_batches: list = field(default_factory=list)  # global batch numbers the spike guard skips
     batches_drawn: int = 0
@@ -183,8 +186,10 @@ def setup(cfg: config.TrainConfig) -> Run:
              f"{cfg.max_steps} steps of {cfg.batch_size} x {cfg.seq_len} tokens")
     if cfg.print_grid:
         grid.log(str(grid))
+    layer_stats = stats.LayerStats(model, grid, sync, opt, model_cfg.n_layer, cfg.stats_every,
+                                   skip_first=cfg.comm_report or cfg.memory_report)  # their step's bytes stay exact
     return Run(cfg, device, precision, grid, tok, model_cfg, model, opt, scaler, loader, val, guard, saver, run_id,
-               lock=lock, sync=sync, pipe=stages, gather=gather)
+               lock=lock, sync=sync, pipe=stages, gather=gather, layer_stats=layer_stats)
 
 
 def claim_out(cfg: config.TrainConfig, grid: parallel.Grid) -> tuple[object, str]:
@@ -253,6 +258,7 @@ def train_step(run: Run) -> dict:
     (`skipped`) or the loss is a spike (`spike`: the caller rolls back)."""
     cfg, lr = run.cfg, stability.lr_at(run.step, run.cfg)
     run.grid.traffic.reset()  # count this step's bytes only
+    run.layer_stats.begin(run.step + 1)
     batch_number, batch = next_batch(run)
     local_loss = forward_backward(run, batch)
     gradients.finish_grads(run.model, run.grid, run.sync)
@@ -260,6 +266,7 @@ def train_step(run: Run) -> dict:
     grads = gradients.local_grads(run.model, run.sync)
     run.scaler.unscale_(grads)
     norm = gradients.grad_norm(run.model, run.grid, run.sync)
+    run.layer_stats.after_grads()  # per layer, before clipping
     finite_loss, finite = bool(torch.isfinite(loss)), bool(torch.isfinite(norm))
     spike = finite_loss and run.guard.is_spike(loss.item())
     if finite_loss and finite and not spike:
@@ -269,6 +276,7 @@ def train_step(run: Run) -> dict:
         run.saver.fence()  # the weights change now: a checkpoint copy still in flight must finish first
         run.opt.step()
         run.guard.record(loss.item())
+    run.layer_stats.finish(updated=finite_loss and finite and not spike)
     if not spike:
         run.scaler.update(overflow=not finite)
     if run.memory is not None and "state" not in run.memory:  # reduced gradients, optimizer state created
@@ -395,6 +403,7 @@ def train(run: Run) -> dict:
     flops_per_step = gpt.flops_per_token(run.model_cfg, cfg.seq_len) * tokens_per_step
     peak = formulas.peak_flops(run.device, cfg.precision) * grid.world
     bad_in_a_row, last, step_times, saves = 0, {}, [], []
+    report = dashboard.Report(Path(cfg.out), grid.is_logger, dashboard.describe(cfg, grid, run.run_id))
     # the bar goes to stderr; log lines (bar.write) to stdout. `with`: closed even on an error
     with tqdm(total=cfg.max_steps, initial=run.step, disable=not grid.is_logger, dynamic_ncols=True,
               mininterval=1.0) as bar:
@@ -422,7 +431,8 @@ def train(run: Run) -> dict:
                                              "gradient; lower --lr, or check the data")
                 dt = time.perf_counter() - t0
                 step_times = (step_times + [dt])[-20:]
-                row.update(tokens_per_sec=tokens_per_step / dt, mfu=flops_per_step / dt / peak)
+                row.update(tokens_per_sec=tokens_per_step / dt, mfu=flops_per_step / dt / peak,
+                           **stats.comm_seconds(grid))  # parallel runs: time per collective
                 if run.device.type == "cuda":  # the most this rank's step held (tests/bench.py measures CPUs)
                     row["peak_mem_gb"] = torch.cuda.max_memory_allocated(run.device) / 1e9
                     torch.cuda.reset_peak_memory_stats(run.device)
@@ -434,10 +444,15 @@ def train(run: Run) -> dict:
                 run.step += 1
                 after_step(run, row, bar, metrics)
                 log_saves(run, metrics, step_times, saves)
+                report.update(now="val_loss" in row)  # out/report.html: at evaluations, else every few seconds
                 last = row
+        except BaseException:
+            report.update(now=True, status="stopped")
+            raise
         finally:
             run.saver.wait()  # never exit with a save half-done
     log_saves(run, metrics, step_times, saves)
+    report.update(now=True, status="finished")
     if saves and grid.is_logger:
         print(saves_summary(saves))
     return last
@@ -453,6 +468,8 @@ def after_step(run: Run, row: dict, bar, metrics: rundir.Metrics) -> None:
         if run.grid.is_logger:
             bar.write(f"step {run.step} val {row['val_loss']:.3f}" + (f" | sample: {text!r}"[:400] if text else ""))
     metrics.log(**row)
+    if (layers := run.layer_stats.pop_row()) is not None:
+        metrics.log(**layers)
     bar.update(1)
     bar.set_postfix(loss=f"{row['loss']:.3f}", lr=f"{row['lr']:.1e}", tok_s=f"{row['tokens_per_sec']:.0f}",
                     mfu=f"{row['mfu']:.1%}", **({"mem": f"{row['peak_mem_gb']:.1f}G"} if "peak_mem_gb" in row else {}))

@@ -1,0 +1,177 @@
+"""Per-layer statistics: what each layer's gradients, updates and activations look like, every N steps.
+
+The global gradient norm (gradients.grad_norm) says *that* something is wrong; these three numbers
+per layer say *where*:
+
+    grad_norm[l]     ||g_l||, the gradient of layer l's parameters before clipping. Gradient flow:
+                     healthy training keeps the layers within an order of magnitude of each other.
+                     Norms that shrink toward the input are vanishing gradients; one layer far above
+                     the rest, or a norm that climbs step after step, comes before a loss spike.
+    update_ratio[l]  ||ΔW_l|| / ||W_l||, how far one optimizer step moved the layer, relative to its
+                     size. Around 1e-3 is the usual rule of thumb: 1e-2 and up, the learning rate is
+                     too high for that layer (its weights are being rewritten each step); 1e-5 and
+                     down, it has stopped learning. Adam normalizes the gradient, so this, not
+                     grad_norm, is what the learning rate sets.
+    act_rms[l]       sqrt(mean(x^2)) of block l's output (and of the embedding's), the residual
+                     stream. Pre-LayerNorm GPTs add to it in every block, so it grows with depth;
+                     growth by orders of magnitude, or a block whose RMS jumps during training, is
+                     how activation blow-ups (and fp16/bf16 overflow) announce themselves.
+
+Layers are `embed` (wte, wpe; the tied output layer is wte), `h.0` ... `h.{L-1}` (the blocks) and
+`ln_f`.
+
+Full-model values, whatever the layout. Every number is the one a single process would compute on
+the same step (tests/test_stats.py holds tp x pp and ZeRO runs to that):
+
+    each rank sums squares (and, for the RMS, element counts) over the copies it owns:
+        tensor-parallel shards: each its own part;  tensor-parallel replicas: tp rank 0's only
+        data / context-parallel replicas: dp_cp rank 0's only;  ZeRO shards: each its own part
+        the pipeline's copy of the tied embedding: never (Grid.owns, the rule clipping uses)
+        activations: each rank its own rows (dp), sequence slices (cp, and tp under --sp); outputs
+        that tensor parallelism replicates: tp rank 0's only
+    one all-reduce over the whole world adds them: a pipeline stage contributes its own layers,
+    zeros elsewhere, so the sum is the gather too. Then per layer: sqrt, and the ratio.
+
+So a stats step costs one small all-reduce (5 numbers per layer), a copy of this rank's weights (or,
+under ZeRO, of its master shard) held across the optimizer step, and a square-and-sum of every
+block output. That is why it runs only every --stats-every steps (tests/bench_stats.py measures it).
+It reads and never writes: the losses of a run are bitwise the same with and without it.
+"""
+
+import torch
+
+from parallel import Grid
+from zero import in_backward
+
+
+def layer_names(n_layer: int) -> list[str]:
+    return ["embed"] + [f"h.{i}" for i in range(n_layer)] + ["ln_f"]
+
+
+def layer_of(name: str) -> str:
+    """The layer a parameter belongs to, from its name (blocks keep their global names on every stage)."""
+    parts = name.split(".")
+    if parts[:2] == ["transformer", "h"]:
+        return f"h.{parts[2]}"
+    if parts[:2] == ["transformer", "ln_f"]:
+        return "ln_f"
+    return "embed"  # wte, wpe, and lm_head.weight (the tied wte, or the last stage's copy of it)
+
+
+class LayerStats:
+    """The per-layer statistics of every `every`-th step (and step 1), for the loop to call:
+
+        begin(step)            before the forward: is this a stats step? (hooks record activations)
+        after_grads()          gradients reduced and unscaled, not yet clipped: their squares; the weights
+        finish(updated)        after the optimizer (or its skip): the update, one all-reduce, the row
+        pop_row()              {"event": "layers", "step": ..., "grad_norm": {...}, ...} or None
+
+    Every rank calls all four at the same points (the all-reduce needs them all); `every` = 0 makes
+    them no-ops and registers no hooks. `skip_first`: leave out the first step this process runs, whose
+    traffic and memory --comm-report and --memory-report compare with their formulas."""
+
+    def __init__(self, model: torch.nn.Module, grid: Grid, sync, opt, n_layer: int, every: int,
+                 skip_first: bool = False):
+        self.model, self.grid, self.sync, self.opt, self.every = model, grid, sync, opt, every
+        self.layers = layer_names(n_layer)
+        index = {name: i for i, name in enumerate(self.layers)}
+        self.index = {id(p): index[layer_of(n)] for n, p in model.named_parameters(remove_duplicate=False)}
+        self.zero = bool(sync is not None and sync.zero)
+        self.active, self.skip_first, self.row = False, skip_first, None
+        if every:
+            self._hook(model.transformer.drop, index["embed"])  # the embedding's output (first stage)
+            for name, block in model.transformer.h.named_children():
+                self._hook(block, index[f"h.{name}"])
+
+    def _hook(self, module: torch.nn.Module, i: int) -> None:
+        # Eager even inside a compiled block (a graph break at its end): the hook reads a Python flag
+        # and accumulates into a tensor, neither of which belongs in a graph.
+        record = torch.compiler.disable(lambda m, args, out: self._record(i, out))
+        module.register_forward_hook(record)
+
+    def _record(self, i: int, out: torch.Tensor) -> None:
+        if not self.active or in_backward():  # a block recomputed for its backward ran its forward already
+            return
+        g = self.grid
+        if g.tp > 1 and not g.sp_on and g.tp_rank != 0:  # the same output on every tensor-parallel rank
+            return
+        self.act_sq[i] += out.detach().float().pow(2).sum()
+        self.act_n[i] += out.numel()
+
+    def due(self, step: int) -> bool:
+        return bool(self.every) and (step == 1 or step % self.every == 0)
+
+    def begin(self, step: int) -> None:
+        self.row, self.step = None, step
+        self.active = self.due(step) and not self.skip_first
+        self.skip_first = False
+        if self.active:
+            n, dev = len(self.layers), self.grid.device
+            self.act_sq, self.act_n = torch.zeros(n, device=dev), torch.zeros(n, dtype=torch.float64, device=dev)
+
+    def _owned(self):
+        """(layer index, this rank's gradient, this rank's weights) for each piece of the model whose
+        copy counts here; under ZeRO the pieces of the shards (the fp32 master weights)."""
+        g = self.grid
+        if self.zero:
+            grads = {(id(p), a): grad for p, a, _, grad in self.sync.shard_pieces()}
+            for _, p, kind, (a, _), w in self.opt.pieces(self.model):
+                if kind == "master" and g.owns(p, replicated_over_dp=False):
+                    yield self.index[id(p)], grads[(id(p), a)], w
+        else:
+            for p in self.model.parameters():
+                if p.grad is not None and g.owns(p):  # a data-parallel replica counts on dp_cp rank 0
+                    yield self.index[id(p)], p.grad, p.detach()
+
+    def after_grads(self) -> None:
+        if not self.active:
+            return
+        pieces = list(self._owned())
+        self.piece_layer = torch.tensor([i for i, _, _ in pieces], dtype=torch.long, device=self.grid.device)
+        self.grad_sq = self._sum_by_layer([g for _, g, _ in pieces])
+        self.before = [w.detach().float().clone() for _, _, w in pieces]
+        self.pieces = pieces
+
+    def _sum_by_layer(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """Per layer, the sum of the squares of the elements of `tensors` (one per owned piece)."""
+        out = torch.zeros(len(self.layers), dtype=torch.float64, device=self.grid.device)
+        if tensors:
+            norms = torch.stack([t.float().norm() for t in tensors]).double()
+            out.index_add_(0, self.piece_layer, norms * norms)
+        return out
+
+    def finish(self, updated: bool) -> None:
+        """The step's update (when there was one), the one all-reduce, and the row."""
+        if not self.active:
+            return
+        self.active = False
+        after = [w.detach().float() for _, _, w in self.pieces]
+        delta = self._sum_by_layer([a - b for a, b in zip(after, self.before)]) if updated else None
+        weight = self._sum_by_layer(self.before)
+        zeros = torch.zeros_like(weight)
+        total = torch.cat([self.grad_sq, weight, zeros if delta is None else delta, self.act_sq.double(),
+                           self.act_n])
+        self.grid.all_reduce(total, "world")
+        grad_sq, weight, delta, act_sq, act_n = total.view(5, -1).tolist()
+        self.before = self.pieces = None
+        row = {"event": "layers", "step": self.step,
+               "grad_norm": {name: v ** 0.5 for name, v in zip(self.layers, grad_sq)}}
+        if updated:
+            row["update_ratio"] = {name: (d / w) ** 0.5 for name, d, w in zip(self.layers, delta, weight) if w > 0}
+        row["act_rms"] = {name: (s / n) ** 0.5 for name, s, n in zip(self.layers, act_sq, act_n) if n > 0}
+        self.row = row
+
+    def pop_row(self) -> dict | None:
+        row, self.row = self.row, None
+        return row
+
+
+def comm_seconds(grid: Grid) -> dict:
+    """{"comm_s": {"all_reduce dp": seconds, ...}}: the host time each collective took this step (launch
+    to completion, Traffic.seconds), for the step's row in metrics.jsonl; {} on one process, or where
+    the counting wrapper does not time."""
+    seconds = getattr(grid.traffic, "seconds", None)
+    if grid.world == 1 or seconds is None:
+        return {}
+    times = seconds()
+    return {"comm_s": dict(times)} if times else {}
