@@ -78,6 +78,10 @@ class Traffic:
         self.counts.clear()
         self.time.reset()
 
+    def seconds(self) -> dict[str, float]:
+        """{"all_reduce dp": seconds, ...}: launch to completion, summed over this step's calls."""
+        return self.time.seconds()
+
 
 @dataclass
 class Grid:

@@ -7,7 +7,8 @@ How a lesson (and README.md) is read:
 * A ```text block right after a ```bash block (nothing but blank lines between) is that block's
   output, as a terminal shows it: stdout and stderr together, in order, and a progress bar as its
   final redraw. It is compared line by line with what the block printed.
-* A line `...` in an output block stands for any number of lines the lesson leaves out.
+* A line `...` in an output block stands for any number of lines the lesson leaves out, and `…`
+  within a line for any text (for what the normalizer below does not know varies).
 * ```sh blocks (GPUs, clusters) are shown, not run; a ```text block anywhere else is an illustration.
 
 What legitimately varies from run to run is normalized on both sides before the comparison
@@ -48,16 +49,24 @@ def environment() -> tuple[str, str, str]:
 # ----------------------------------------------------------------------------- reading a lesson
 
 
+def output_fences(text: str) -> list[tuple[int, re.Match]]:
+    """(n, fence) for each ```text block that directly follows the n-th ```bash block (n from 1)."""
+    out, prev, n = [], None, 0
+    for m in FENCE.finditer(text):
+        if m.group(1) == "bash":
+            n += 1
+        elif m.group(1) == "text" and prev is not None and prev.group(1) == "bash" and \
+                not text[prev.end():m.start()].strip():
+            out.append((n, m))
+        prev = m
+    return out
+
+
 def blocks(text: str) -> list[tuple[str, list[str]]]:
     """[(commands, [shown output])]: each ```bash block, with the ```text block directly after it."""
-    out, prev_kind, prev_end = [], None, 0
-    for m in FENCE.finditer(text):
-        kind, body = m.group(1), m.group(2)
-        if kind == "bash":
-            out.append((body, []))
-        elif kind == "text" and prev_kind == "bash" and not text[prev_end:m.start()].strip():
-            out[-1][1].append(body)
-        prev_kind, prev_end = kind, m.end()
+    out = [(m.group(2), []) for m in FENCE.finditer(text) if m.group(1) == "bash"]
+    for n, m in output_fences(text):
+        out[n - 1][1].append(m.group(2))
     return out
 
 
@@ -90,6 +99,7 @@ VARIES = [  # (pattern, placeholder): what differs between two runs of the same 
     (re.compile(r"\d+% of a <time> step"), "<pct> of a <time> step"),
     (re.compile(r"\S*/lib/python3\.\d+"), "<stdlib>"),
     (re.compile(r"/tmp/\S*"), "<tmp>"),
+    (re.compile(r"\b[0-9a-f]{12}\b"), "<run id>"),
 ]
 
 
@@ -118,6 +128,8 @@ def same_number(a: str, b: str) -> bool:
 
 
 def same_line(expected: str, got: str, strict: bool) -> bool:
+    if "…" in expected:  # the lesson leaves part of the line out
+        return re.fullmatch(".*".join(re.escape(piece) for piece in expected.split("…")), got) is not None
     if not strict:  # another environment: the words of the line, not its numbers or samples
         return NUMBER.sub("#", SAMPLED.sub(r"\1…", expected)) == NUMBER.sub("#", SAMPLED.sub(r"\1…", got))
     if NUMBER.sub("#", expected) != NUMBER.sub("#", got):
@@ -198,3 +210,31 @@ def test_the_checker_catches_drift_and_forgives_what_varies():
     assert shown(terminal(bar)) == shown(["100%|##########| 60/60 [00:09<00:00, 6.2it/s, loss=2.464]"])
     assert normalize("paid 48.9 ms a save (271% of a 18 ms step") == "paid <time> a save (<pct> of a <time> step"
     assert normalize("/usr/lib/python3.12/json (20 files)") == "<stdlib>/json (20 files)"
+    assert match(shown(["peak 216 GFLOP/s …"]), shown(["peak 216 GFLOP/s (27.7%)"]), strict=True)
+    assert not match(shown(["peak 216 GFLOP/s …"]), shown(["peak 217 GFLOP/s (27.7%)"]), strict=True)
+
+
+# ----------------------------------------------------------------------------- writing a lesson
+
+
+def write_outputs(doc: Path) -> list[int]:
+    """Run `doc`'s commands and put what each block printed into the ```text block after it, where the
+    shown output no longer matches (a matching block, `...` elisions and all, is left as written).
+    Returns the numbers of the bash blocks rewritten. For authors: then read the diff, and the prose."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        _, outputs, result = run_blocks(doc, Path(tmp))
+    if result.returncode != 0:
+        sys.exit(f"{doc.name}: a command failed:\n{result.stdout.decode(errors='replace')[-4000:]}")
+    text, rewritten = doc.read_text(), []
+    for n, m in reversed(output_fences(text)):
+        if not match(shown(m.group(2).rstrip("\n").split("\n")), shown(outputs[n - 1]), strict=True):
+            text = text[:m.start()] + "```text\n" + "\n".join(outputs[n - 1]) + "\n```\n" + text[m.end():]
+            rewritten.insert(0, n)
+    doc.write_text(text)
+    return rewritten
+
+
+if __name__ == "__main__":  # python tests/test_lessons.py lessons/07-data-parallel.md ...
+    for arg in sys.argv[1:]:
+        print(f"{arg}: rewrote the output of bash blocks {write_outputs(Path(arg).resolve()) or 'none'}")
