@@ -6,11 +6,11 @@
     overlap    when each gradient bucket's collective started, relative to the end of backward
     memory     weights, gradients and optimizer state against ZeRO's 2Ψ + 2Ψ + 12Ψ (each / dp from
                its stage on), saved activations against Korthikanti et al.'s s b h (34 + 5 a s / h)
-    plan       a whole run on paper: memory, traffic and time of any layout (lesson 11)
+    plan       a whole run on paper: memory, traffic and time of any layout (lesson 12)
     peak       the FLOP/s an MFU is measured against: a table for GPUs, a measured matmul on CPU;
                and the peak bytes a piece of work allocates, measured
 
-Nothing here changes training; train.py calls it for --comm-report and MFU, lessons 06-11 to
+Nothing here changes training; train.py calls it for --comm-report and MFU, lessons 07-12 to
 check their arithmetic.
 """
 

@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 import context
 import model as gpt
+import timeline
 from lmhead import lm_head_loss
 
 all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -61,18 +62,25 @@ def peer_call(fn, *args, **kwargs):
 
 class Traffic:
     """Calls and bytes per (collective, group) since the last reset. Bytes are the size of the full
-    buffer (all-reduce input, all-gather output, reduce-scatter input, p2p message)."""
+    buffer (all-reduce input, all-gather output, reduce-scatter input, p2p message). Each call is also
+    timed, launch to completion (timeline.py: the dashboard's seconds per collective, --print-timeline)."""
 
     def __init__(self):
         self.counts = defaultdict(lambda: [0, 0])
+        self.time = timeline.Recorder(torch.device("cpu"))  # init_grid gives it the run's device
 
-    def add(self, op: str, group: str, nbytes: int) -> None:
+    def add(self, op: str, group: str, nbytes: int, members: tuple[int, ...]) -> timeline.Comm:
         self.counts[(op, group)][0] += 1
         self.counts[(op, group)][1] += nbytes
+        return self.time.launch(op, group, members, nbytes)
 
     def reset(self) -> None:
         self.counts.clear()
+        self.time.reset()
 
+    def seconds(self) -> dict[str, float]:
+        """{"all_reduce dp": seconds, ...}: launch to completion, summed over this step's calls."""
+        return self.time.seconds()
 
 
 @dataclass
@@ -88,6 +96,7 @@ class Grid:
     vp: int = 1  # virtual pipeline stages (chunks of layers) per pipeline rank: the interleaved schedule's v
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     groups: dict = field(default_factory=dict)  # "tp" / "dp" / "pp" / "embed" -> this rank's group
+    members: dict = field(default_factory=lambda: defaultdict(tuple))  # the same names -> its global ranks
     traffic: "Traffic" = field(default_factory=lambda: Traffic())
 
     @property
@@ -192,6 +201,10 @@ class Grid:
         if self.is_logger:
             print(msg, flush=True)
 
+    def span(self, name: str):
+        """Time a compute span for --print-timeline ('F', 'B', 'O'); nothing when no step is recorded."""
+        return self.traffic.time.span(name)
+
     def barrier(self) -> None:
         if self.world > 1:
             peer_call(dist.barrier)
@@ -223,32 +236,36 @@ class Grid:
     def all_reduce(self, t: torch.Tensor, group: str, op=dist.ReduceOp.SUM, async_op: bool = False):
         if self.size(group) == 1:
             return None
-        self.traffic.add("all_reduce", self.label(group), t.numel() * t.element_size())
-        return peer_call(dist.all_reduce, t, op=op, group=self.groups.get(group), async_op=async_op)
+        comm = self.traffic.add("all_reduce", self.label(group), t.numel() * t.element_size(), self.members[group])
+        return self.traffic.time.track(comm, peer_call(dist.all_reduce, t, op=op, group=self.groups.get(group),
+                                                       async_op=async_op))
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group: str, async_op: bool = False):
         """out = concat over the group's ranks of inp, along dim 0."""
         if self.size(group) == 1:
             out.copy_(inp)
             return None
-        self.traffic.add("all_gather", self.label(group), out.numel() * out.element_size())
-        return peer_call(all_gather_single, out, inp, group=self.groups.get(group), async_op=async_op)
+        comm = self.traffic.add("all_gather", self.label(group), out.numel() * out.element_size(), self.members[group])
+        return self.traffic.time.track(comm, peer_call(all_gather_single, out, inp, group=self.groups.get(group),
+                                                       async_op=async_op))
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group: str, async_op: bool = False):
         """out = this rank's dim-0 slice of the sum over the group of inp."""
         if self.size(group) == 1:
             out.copy_(inp)
             return None
-        self.traffic.add("reduce_scatter", self.label(group), inp.numel() * inp.element_size())
-        return peer_call(reduce_scatter_single, out, inp, group=self.groups.get(group), async_op=async_op)
+        comm = self.traffic.add("reduce_scatter", self.label(group), inp.numel() * inp.element_size(),
+                                self.members[group])
+        return self.traffic.time.track(comm, peer_call(reduce_scatter_single, out, inp, group=self.groups.get(group),
+                                                       async_op=async_op))
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, group: str) -> None:
         """out[r] = what rank r of the group sent this rank: its inp[this rank] (equal pieces along dim 0)."""
         if self.size(group) == 1:
             out.copy_(inp)
             return
-        self.traffic.add("all_to_all", self.label(group), inp.numel() * inp.element_size())
-        peer_call(dist.all_to_all_single, out, inp, group=self.groups.get(group))
+        comm = self.traffic.add("all_to_all", self.label(group), inp.numel() * inp.element_size(), self.members[group])
+        self.traffic.time.track(comm, peer_call(dist.all_to_all_single, out, inp, group=self.groups.get(group)))
 
     def send_recv(self, sends: list[tuple], recvs: list[tuple], group: str = "pp", wait: bool = True):
         """Point-to-point, posted together so that paired sends and receives cannot deadlock. Each item
@@ -259,8 +276,14 @@ class Grid:
         ops = [dist.P2POp(dist.isend, t, peer, tag=tag[0] if tag else 0) for t, peer, *tag in sends]
         ops += [dist.P2POp(dist.irecv, t, peer, tag=tag[0] if tag else 0) for t, peer, *tag in recvs]
         for t, *_ in sends:
-            self.traffic.add("send", self.label(group), t.numel() * t.element_size())
-        works = peer_call(dist.batch_isend_irecv, ops) if ops else []
+            self.traffic.counts[("send", self.label(group))][0] += 1
+            self.traffic.counts[("send", self.label(group))][1] += t.numel() * t.element_size()
+        if not ops:
+            return []
+        peers = tuple(sorted({self.rank, *(peer for _, peer, *_ in sends + recvs)}))
+        comm = self.traffic.time.launch("p2p", self.label(group), peers, sum(t.numel() * t.element_size()
+                                                                              for t, *_ in sends))
+        works = [self.traffic.time.track(comm, work) for work in peer_call(dist.batch_isend_irecv, ops)]
         if not wait:
             return works
         for work in works:
@@ -296,6 +319,7 @@ def init_grid(tp: int, pp: int, device: torch.device, timeout_s: float = 300, sp
         device = local_gpu()
     grid = Grid(tp=tp, pp=pp, cp=cp, dp=world // (tp * pp * cp), rank=rank, sp=sp, cp_attn=cp_attn, vp=vp,
                 device=device)
+    grid.traffic.time = timeline.Recorder(device)
     if world == 1:
         return grid
     # A launcher that restarts the job (torchrun --max-restarts) keeps its key-value store; keys
@@ -312,7 +336,9 @@ def init_grid(tp: int, pp: int, device: torch.device, timeout_s: float = 300, sp
                "pp": ids.permute(1, 2, 3, 0).reshape(-1, pp)}
     if pp > 1:  # the first and last stage both hold the tied embedding
         layouts["embed"] = torch.stack([ids[0], ids[-1]], dim=-1).reshape(-1, 2)
+    layouts["world"] = ids.reshape(1, world)
     for name, members in layouts.items():
+        grid.members[name] = tuple(next(r for r in members.tolist() if rank in r))
         if members.size(1) == world:
             grid.groups[name] = None  # the default group already is this group
             continue

@@ -307,7 +307,7 @@ class Pipeline:
     def forward(self, i: int, chunk: int, buf: torch.Tensor | None) -> torch.Tensor:
         """Micro-batch i through one chunk; returns the activation for the next virtual stage."""
         model, s = self.model, chunk * self.p + self.rank
-        with torch.set_grad_enabled(self.train), self.autocast:
+        with self.grid.span("F"), torch.set_grad_enabled(self.train), self.autocast:
             x = model.embed(self.micro[i][:, :-1]) if s == 0 else buf.requires_grad_(self.train)
             y = model.blocks(x, which=self.chunks[chunk])
             if s == self.last:
@@ -326,10 +326,11 @@ class Pipeline:
             # the backward of (the last micro-batch, c), the last op of that chunk in every schedule.
             self.grad_sync.require_backward_grad_sync = i == len(self.micro) - 1
         s = chunk * self.p + self.rank
-        if s == self.last:
-            (y * self.scale).backward()
-        else:
-            y.backward(buf)
+        with self.grid.span("B"):
+            if s == self.last:
+                (y * self.scale).backward()
+            else:
+                y.backward(buf)
         return None if s == 0 else x.grad  # (virtual stage 0's input is the embedding's output, no leaf)
 
     def all_stage_ops(self) -> list[list[tuple[str, int, int]]]:

@@ -23,6 +23,7 @@ it. The loss-spike guard rolls back to the last checkpoint and skips the batch t
 """
 
 import contextlib
+import json
 import os
 import random
 import signal
@@ -49,6 +50,8 @@ import pipeline
 import rundir
 import stability
 import stats
+import storage
+import timeline
 import tokenizer
 import zero
 
@@ -110,6 +113,7 @@ class Run:
     pipe: pipeline.Pipeline | None = None  # this rank's pipeline stage, when --pp > 1
     gather: zero.ParamGather | None = None  # ZeRO-3's weight gathering, when --zero 3
     memory: dict | None = None  # --memory-report: what the first step measured ("state", "activations")
+    timeline_step: int = 0  # --print-timeline: the step whose compute and collectives are recorded
     layer_stats: stats.LayerStats | None = None  # per-layer statistics every --stats-every steps
     step: int = 0
     skip_batches: list = field(default_factory=list)  # global batch numbers the spike guard skips
@@ -245,10 +249,11 @@ def accumulate(run: Run, micro: list[torch.Tensor], scale: float = 1.0) -> torch
     for i, mb in enumerate(micro):
         if run.sync is not None:  # communicate only during the last micro-batch's backward
             run.sync.require_backward_grad_sync = i == len(micro) - 1
-        with run.autocast:
+        with run.grid.span("F"), run.autocast:
             _, loss = run.model(mb[:, :-1], mb[:, 1:])
         if train:
-            (loss * (scale / len(micro))).backward()
+            with run.grid.span("B"):
+                (loss * (scale / len(micro))).backward()
         total += loss.detach().float() / len(micro)
     return total
 
@@ -258,6 +263,8 @@ def train_step(run: Run) -> dict:
     (`skipped`) or the loss is a spike (`spike`: the caller rolls back)."""
     cfg, lr = run.cfg, stability.lr_at(run.step, run.cfg)
     run.grid.traffic.reset()  # count this step's bytes only
+    if run.step + 1 == run.timeline_step:
+        run.grid.traffic.time.start(run.grid.barrier)
     run.layer_stats.begin(run.step + 1)
     batch_number, batch = next_batch(run)
     local_loss = forward_backward(run, batch)
@@ -274,7 +281,8 @@ def train_step(run: Run) -> dict:
         for group in run.opt.param_groups:
             group["lr"] = lr
         run.saver.fence()  # the weights change now: a checkpoint copy still in flight must finish first
-        run.opt.step()
+        with run.grid.span("O"):
+            run.opt.step()
         run.guard.record(loss.item())
     run.layer_stats.finish(updated=finite_loss and finite and not spike)
     if not spike:
@@ -403,6 +411,8 @@ def train(run: Run) -> dict:
     flops_per_step = gpt.flops_per_token(run.model_cfg, cfg.seq_len) * tokens_per_step
     peak = formulas.peak_flops(run.device, cfg.precision) * grid.world
     bad_in_a_row, last, step_times, saves = 0, {}, [], []
+    if cfg.print_timeline:  # the second step: the first also allocates, compiles and warms up
+        run.timeline_step = run.step + min(2, cfg.max_steps - run.step)
     report = dashboard.Report(Path(cfg.out), grid.is_logger, dashboard.describe(cfg, grid, run.run_id))
     # the bar goes to stderr; log lines (bar.write) to stdout. `with`: closed even on an error
     with tqdm(total=cfg.max_steps, initial=run.step, disable=not grid.is_logger, dynamic_ncols=True,
@@ -441,6 +451,8 @@ def train(run: Run) -> dict:
                 if not last:  # the first step of this process: print what was asked for
                     for text in first_step_reports(run):
                         bar.write(text)
+                if row["step"] == run.timeline_step and (text := timeline_report(run)):
+                    bar.write(text)
                 run.step += 1
                 after_step(run, row, bar, metrics)
                 log_saves(run, metrics, step_times, saves)
@@ -519,6 +531,21 @@ def first_step_reports(run: Run) -> list[str]:
     if cfg.print_schedule and run.pipe:
         out.append(schedule_report(run))
     return out if grid.is_logger else []
+
+
+def timeline_report(run: Run) -> str:
+    """--print-timeline: every rank's compute spans and collectives of the recorded step, drawn on one
+    time axis by rank 0 (timeline.py), and saved to --out/timeline.json."""
+    record = run.grid.traffic.time.stop()
+    ranks = [record]
+    if run.grid.world > 1:
+        ranks = [None] * run.grid.world
+        torch.distributed.all_gather_object(ranks, record)  # once, after the step: not counted traffic
+    if not run.grid.is_logger:
+        return ""
+    record = {"step": run.timeline_step, "ranks": ranks}
+    storage.replace_atomically(Path(run.cfg.out) / "timeline.json", json.dumps(record))
+    return f"step {run.timeline_step}: " + timeline.draw(ranks)
 
 
 def schedule_report(run: Run) -> str:

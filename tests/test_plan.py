@@ -1,4 +1,4 @@
-"""formulas.plan: the paper estimates of lesson 11, held to model.py and to published figures."""
+"""formulas.plan: the paper estimates of lesson 12, held to model.py and to published figures."""
 
 import pytest
 import torch

@@ -1,0 +1,243 @@
+"""Where a step's time goes, rank by rank: compute and every collective on one time axis.
+
+A number such as "the wait after the backward was 5 ms" cannot show overlap: it mixes three things,
+the transfer itself, the time the data-parallel peer was still computing (a collective cannot finish
+before its last member joins), and the collectives that were done long before anyone waited. So we
+record, for one step on every rank, when each compute span ran and, for every collective, when this
+rank launched it and when it completed, then line the ranks up:
+
+    rank 0  compute  |FFFFFFFBBBBBBBBBBBBBBBBBBB                  O|
+            dp       |                 ..====   ...=====  ..==       |
+    rank 1  compute  |FFFFFFFBBBBBBBBBBBBBBBBBBBBBB               O|
+            dp       |                    ==       ======    ==      |
+
+    F forward  B backward  O optimizer step  . launched, waiting for a peer  = transferring
+
+A collective's members all launch it, in the same order (that is the contract of every collective),
+so the k-th collective of a group on one rank is the k-th on the others. The transfer can only start
+when the last member launches: from this rank's launch to that moment it waits for a peer ('.'), from
+there to completion it transfers ('='). A transfer drawn under 'B' is hidden behind the backward
+(overlap); one drawn under nothing is exposed, and the step pays for it.
+
+How it is measured. On a CPU (gloo), the host clock (`time.perf_counter`): launch just before the
+call, completion from the collective's future (`Work.get_future().then`), which fires the moment it
+finishes even if nobody waits yet; where there is no future (point-to-point), when the waiting call
+returns. On a GPU the host returns long before the device is done, so the points are CUDA events
+recorded on the compute stream: launch where the collective is issued, completion where the stream
+is allowed past it (after `wait()`); compute spans are events too. The ranks' clocks are lined up by
+a barrier at the start of the recorded step (each rank's time 0 is when it left the barrier).
+
+`Recorder` times every collective of every step (the dashboard charts `seconds()`); `--print-timeline`
+also records the compute spans of one step, gathers every rank's record and draws it (`draw`).
+"""
+
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+
+class Clock:
+    """The host clock on a CPU; CUDA events on the compute stream on a GPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, a, b) -> float:
+        """From point a to point b."""
+        return a.elapsed_time(b) / 1e3 if self.cuda else b - a
+
+
+@dataclass
+class Comm:
+    """One collective on this rank: what, between whom, how big, and its two moments."""
+    op: str
+    group: str
+    members: tuple[int, ...]
+    nbytes: int
+    launch: object
+    done: object = None
+
+
+class TimedWork:
+    """An asynchronous collective's handle that also notes when the collective completed."""
+
+    def __init__(self, work, comm: Comm, clock: Clock):
+        self.work, self.comm, self.clock = work, comm, clock
+        if not clock.cuda:
+            try:
+                work.get_future().then(self._completed)
+            except RuntimeError:  # gloo's point-to-point works have no future: timed at wait()
+                pass
+
+    def _completed(self, _future) -> None:  # runs on the backend's thread, when the data has arrived
+        if self.comm.done is None:
+            self.comm.done = time.perf_counter()
+
+    def wait(self, *args):
+        result = self.work.wait(*args)
+        if self.comm.done is None:
+            self.comm.done = self.clock.now()
+        return result
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)
+
+
+class Recorder:
+    """This rank's collectives since the last reset, timed; and, while `spans_on`, its compute spans."""
+
+    def __init__(self, device: torch.device):
+        self.clock = Clock(device)
+        self.comms: list[Comm] = []
+        self.spans: list[tuple[str, object, object]] = []
+        self.spans_on, self.t0 = False, None
+
+    def reset(self) -> None:
+        self.comms, self.spans = [], []
+
+    def launch(self, op: str, group: str, members: tuple[int, ...], nbytes: int) -> Comm:
+        comm = Comm(op, group, members, nbytes, self.clock.now())
+        self.comms.append(comm)
+        return comm
+
+    def track(self, comm: Comm, work):
+        """A synchronous call has completed when it returns; an asynchronous one when its work says so."""
+        if work is None:
+            comm.done = self.clock.now()
+            return None
+        return TimedWork(work, comm, self.clock)
+
+    @contextmanager
+    def span(self, name: str):
+        """A compute span of the recorded step ('F' forward, 'B' backward, 'O' optimizer)."""
+        if not self.spans_on:
+            yield
+            return
+        start = self.clock.now()
+        yield
+        self.spans.append((name, start, self.clock.now()))
+
+    def seconds(self) -> dict[str, float]:
+        """Launch-to-completion seconds per "collective group" since the last reset (call after the
+        step: every collective has completed by then)."""
+        out = defaultdict(float)
+        for c in self.comms:
+            if c.done is not None:
+                out[f"{c.op} {c.group}"] += self.clock.seconds(c.launch, c.done)
+        return dict(out)
+
+    def start(self, barrier) -> None:
+        """Record the compute spans of this step, on a clock lined up with the other ranks."""
+        self.reset()
+        barrier()
+        self.t0, self.spans_on = self.clock.now(), True
+
+    def stop(self) -> dict:
+        """This rank's step, in seconds from its time 0: plain data, for gathering to rank 0."""
+        self.spans_on = False
+        at = lambda point: self.clock.seconds(self.t0, point)
+        return {"spans": [(name, at(a), at(b)) for name, a, b in self.spans],
+                "comms": [(c.op, c.group, list(c.members), c.nbytes, at(c.launch), at(c.done))
+                          for c in self.comms if c.done is not None]}
+
+
+# ----------------------------------------------------------------------------- lining the ranks up
+
+
+def split_waiting(ranks: list[dict]) -> list[list[dict]]:
+    """Per rank, its collectives with `wait` (launch until the last member launched) and `transfer`
+    (from then until done), in seconds. Point-to-point messages have no such split: all transfer."""
+    seen = defaultdict(int)  # (rank, members, op) -> how many so far: the k-th on every member
+    launches = defaultdict(dict)  # (members, op, k) -> {rank: launch}
+    keyed = []
+    for rank, record in enumerate(ranks):
+        mine = []
+        for op, group, members, nbytes, launch, done in record["comms"]:
+            key = (tuple(members), op, seen[(rank, tuple(members), op)])
+            seen[(rank, tuple(members), op)] += 1
+            launches[key][rank] = launch
+            mine.append((key, dict(op=op, group=group, nbytes=nbytes, launch=launch, done=done)))
+        keyed.append(mine)
+    out = []
+    for mine in keyed:
+        rows = []
+        for key, c in mine:
+            joined = max(launches[key].values()) if c["op"] != "p2p" else c["launch"]
+            start = min(max(joined, c["launch"]), c["done"])
+            rows.append({**c, "wait": start - c["launch"], "transfer": c["done"] - start, "start": start})
+        out.append(rows)
+    return out
+
+
+def overlapped(start: float, end: float, spans: list[tuple[str, float, float]]) -> float:
+    """Seconds of [start, end) during which this rank was computing."""
+    return sum(max(0.0, min(end, b) - max(start, a)) for _, a, b in spans)
+
+
+def lanes(rows: list[dict]) -> dict[str, list[list[dict]]]:
+    """Collectives per group, spread over as few lanes as keep them from overlapping in the drawing."""
+    out = defaultdict(list)
+    for c in sorted(rows, key=lambda c: c["launch"]):
+        group_lanes = out[c["group"]]
+        for lane in group_lanes:
+            if lane[-1]["done"] <= c["launch"]:
+                lane.append(c)
+                break
+        else:
+            group_lanes.append([c])
+    return out
+
+
+def draw(ranks: list[dict], width: int = 96) -> str:
+    """The ASCII timeline of one step: per rank a compute row and a row per lane of collectives."""
+    timed = split_waiting(ranks)
+    end = max([b for r in ranks for _, _, b in r["spans"]] + [c["done"] for rows in timed for c in rows] + [1e-9])
+    col = lambda t: min(width - 1, max(0, int(t / end * width)))
+    lines = [f"timeline of one step ({1e3 * end:.1f} ms, one column = {1e3 * end / width:.2f} ms):"]
+    for rank, (record, rows) in enumerate(zip(ranks, timed)):
+        row = [" "] * width
+        for name, a, b in record["spans"]:
+            for i in range(col(a), max(col(a) + 1, col(b))):
+                row[i] = name[0]
+        lines.append(f"rank {rank:<3} compute   |{''.join(row)}|")
+        for group, group_lanes in sorted(lanes(rows).items()):
+            for lane in group_lanes:
+                row = [" "] * width
+                for c in lane:
+                    for i in range(col(c["launch"]), col(c["start"])):
+                        row[i] = "."
+                    for i in range(col(c["start"]), max(col(c["start"]) + 1, col(c["done"]))):
+                        row[i] = "="
+                lines.append(f"         {group:<9} |{''.join(row)}|")
+    lines.append("F forward  B backward  O optimizer step  . launched, waiting for a peer to launch  = transferring")
+    return "\n".join(lines + summary(ranks, timed))
+
+
+def summary(ranks: list[dict], timed: list[list[dict]]) -> list[str]:
+    """Per rank and collective: how long it waited for peers, how long it transferred, and how much of
+    the transfer ran while this rank was computing (hidden) rather than idle (exposed)."""
+    lines = [f"{'rank':<5} {'collective':<20} {'calls':>5} {'wait for peers':>15} {'transfer':>10} "
+             f"{'hidden by compute':>18}"]
+    for rank, (record, rows) in enumerate(zip(ranks, timed)):
+        totals = defaultdict(lambda: [0, 0.0, 0.0, 0.0])
+        for c in rows:
+            t = totals[f"{c['op']} {c['group']}"]
+            t[0] += 1
+            t[1] += c["wait"]
+            t[2] += c["transfer"]
+            t[3] += overlapped(c["start"], c["done"], record["spans"])
+        for name, (calls, wait, transfer, hidden) in sorted(totals.items()):
+            share = f"{hidden / transfer:.0%}" if transfer > 0 else "-"
+            lines.append(f"{rank:<5} {name:<20} {calls:>5} {1e3 * wait:>12.2f} ms {1e3 * transfer:>7.2f} ms "
+                         f"{share:>18}")
+    return lines
