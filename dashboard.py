@@ -375,6 +375,7 @@ function chart(parent, spec) {
       : el("svg:path", {d: `M${x - 4},${y - 4} l8,8 m0,-8 l-8,8`, stroke: "#ff7f0e", "stroke-width": 2});
     const mk = el("svg:g", {class: "marker " + m.kind, "data-step": m.x});
     mk.append(shape, el("svg:title", {}, m.title));
+    if (m.label) mk.append(el("svg:text", {x: x + 6, y: y + 1, fill: "#d62728"}, m.label));
     svg.append(mk);
   }
   card.append(svg);
@@ -466,7 +467,8 @@ function mainCharts() {
   const main = document.getElementById("main"), xmax = A.max_steps;
   const markers = [], bands = [], vlines = [];
   for (const s of E.spike) {
-    markers.push({x: s.step, y: s.loss, kind: "spike", title: `step ${s.step}: loss ${fmt(s.loss, 4)} is a spike; `
+    markers.push({x: s.step, y: s.loss, kind: "spike", label: fmt(s.loss, 4),
+      title: `step ${s.step}: loss ${fmt(s.loss, 4)} is a spike; `
       + (s.gave_up ? "the guard gave up" : `rolled back to step ${s.rolled_back_to}, batch ${s.batch} skipped`)});
     if (finite(s.rolled_back_to)) bands.push({x0: s.rolled_back_to, x1: s.step, kind: "replayed",
       title: `steps ${s.rolled_back_to + 1}-${s.step} replayed after the spike`});
@@ -539,8 +541,9 @@ function commChart() {
   chart(document.getElementById("comm"), {id: "comm", title: "Communication time per collective", xmax: A.max_steps,
     unit: "ms", log: true, wide: true,
     empty: "one process: no collectives (a torchrun run shows the time each kind of collective takes per step)",
-    note: "Host time from launch to completion per step, by collective and group. Overlapped data-parallel buckets "
-      + "run during the backward, so part of their time is hidden; the rest is what MFU loses to waiting.",
+    note: "Rank 0's time from launch to completion per step, by collective and group (world: the per-layer "
+      + "statistics' one all-reduce). Overlapped data-parallel buckets run during the backward, so part of their "
+      + "time is hidden; the rest is what MFU loses to waiting.",
     series: labels.map((k, i) => ({name: k, color: PALETTE[i % PALETTE.length], x: C.step,
                                    y: C.seconds[k].map(v => finite(v) ? 1e3 * v : v)}))});
 }

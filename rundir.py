@@ -8,7 +8,7 @@
                         and every --stats-every steps `layers`: per-layer statistics, stats.py)
         report.html     the dashboard of metrics.jsonl (dashboard.py), rewritten as the run goes
         ckpt/           the checkpoints (checkpoint.py); each one records the run id that wrote it
-        previous/       what --fresh moved aside: earlier runs' run.json, metrics.jsonl and ckpt/
+        previous/       what --fresh moved aside: earlier runs' run.json, metrics.jsonl, report.html and ckpt/
 
 Two mistakes are silent without this file. Two processes started on one --out interleave their
 metrics and write over each other's checkpoints: the lock stops the second with one line. And a run
@@ -66,7 +66,8 @@ def claim(out: Path, fresh: bool) -> str:
     if fresh and (old or leftovers):
         aside = out / "previous" / (old or f"unnamed-{time.strftime('%Y%m%d-%H%M%S')}")
         aside.mkdir(parents=True, exist_ok=True)
-        for p in leftovers + ([out / "run.json"] if old else []):
+        page = [out / "report.html"] if (out / "report.html").exists() else []  # its dashboard goes with it
+        for p in leftovers + page + ([out / "run.json"] if old else []):
             os.replace(p, aside / p.name)
         print(f"--fresh: moved the previous run's files to {aside}", flush=True)
         old = None

@@ -40,8 +40,9 @@ It reads and never writes: the losses of a run are bitwise the same with and wit
 
 import torch
 
+from gradients import GradSync
 from parallel import Grid
-from zero import in_backward
+from zero import ZeroAdamW, in_backward
 
 
 def layer_names(n_layer: int) -> list[str]:
@@ -70,8 +71,8 @@ class LayerStats:
     them no-ops and registers no hooks. `skip_first`: leave out the first step this process runs, whose
     traffic and memory --comm-report and --memory-report compare with their formulas."""
 
-    def __init__(self, model: torch.nn.Module, grid: Grid, sync, opt, n_layer: int, every: int,
-                 skip_first: bool = False):
+    def __init__(self, model: torch.nn.Module, grid: Grid, sync: GradSync | None,
+                 opt: torch.optim.Optimizer | ZeroAdamW, n_layer: int, every: int, skip_first: bool = False):
         self.model, self.grid, self.sync, self.opt, self.every = model, grid, sync, opt, every
         self.layers = layer_names(n_layer)
         index = {name: i for i, name in enumerate(self.layers)}
@@ -129,7 +130,8 @@ class LayerStats:
         pieces = list(self._owned())
         self.piece_layer = torch.tensor([i for i, _, _ in pieces], dtype=torch.long, device=self.grid.device)
         self.grad_sq = self._sum_by_layer([g for _, g, _ in pieces])
-        self.before = [w.detach().float().clone() for _, _, w in pieces]
+        self.weight_sq = self._sum_by_layer([w for _, _, w in pieces])
+        self.before = [w.detach().float().clone() for _, _, w in pieces]  # held across the optimizer step
         self.pieces = pieces
 
     def _sum_by_layer(self, tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -145,12 +147,11 @@ class LayerStats:
         if not self.active:
             return
         self.active = False
-        after = [w.detach().float() for _, _, w in self.pieces]
-        delta = self._sum_by_layer([a - b for a, b in zip(after, self.before)]) if updated else None
-        weight = self._sum_by_layer(self.before)
-        zeros = torch.zeros_like(weight)
-        total = torch.cat([self.grad_sq, weight, zeros if delta is None else delta, self.act_sq.double(),
-                           self.act_n])
+        delta = torch.zeros_like(self.weight_sq)
+        if updated and self.before:
+            torch._foreach_sub_(self.before, [w.detach().float() for _, _, w in self.pieces])  # in place: -ΔW
+            delta = self._sum_by_layer(self.before)
+        total = torch.cat([self.grad_sq, self.weight_sq, delta, self.act_sq.double(), self.act_n])
         self.grid.all_reduce(total, "world")
         grad_sq, weight, delta, act_sq, act_n = total.view(5, -1).tolist()
         self.before = self.pieces = None

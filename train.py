@@ -20,6 +20,10 @@ stability.py.
 
 Checkpoints (lesson 04) are written by checkpoint.py; a run whose --out holds one resumes from
 it. The loss-spike guard rolls back to the last checkpoint and skips the batch that caused it.
+
+What a run measured goes to --out/metrics.jsonl (rundir.py): every step, and every --stats-every
+steps each layer's gradient norm, update ratio and activation RMS (stats.py); dashboard.py draws it
+all in --out/report.html, rewritten as the run goes.
 """
 
 import contextlib

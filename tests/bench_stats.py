@@ -1,0 +1,64 @@
+"""What the per-layer statistics (stats.py) cost a step, side by side in one run.
+
+    python tests/bench_stats.py                                # CPU: the `mini` preset
+    python tests/bench_stats.py --device cuda --preset gpt2    # a GPU (blocks compiled, bf16)
+
+Runs train.py once with --stats-every 2 (not collected by pytest), so statistics steps and plain
+steps alternate in the same process, under the same load: from metrics.jsonl the time of every step
+(tokens / tokens_per_sec: forward, backward, statistics and update; evaluation is outside it), the
+median of each kind, their ratio, and what that ratio costs on average at --stats-every N (one step
+in N pays it). A second run with --stats-every 0 gives the plain step without the forward hooks
+installed at all (another process: compare it loosely).
+"""
+
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def step_times(args, out: Path, every: int) -> dict[int, float]:
+    cmd = [sys.executable, str(ROOT / "train.py"), "--device", args.device, "--preset", args.preset, "--out", str(out),
+           "--max-steps", str(args.steps), "--eval-every", str(10 * args.steps), "--sample-tokens", "0",
+           "--eval-batches", "1", "--tokenizer", args.tokenizer, "--stats-every", str(every), *args.flags]
+    printed = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    batch, seq = re.search(r"steps of (\d+) x (\d+) tokens", printed).groups()  # train.py's first line says
+    tokens = int(batch) * int(seq)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: tokens / r["tokens_per_sec"] for r in rows if "event" not in r}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--preset", default="mini")
+    p.add_argument("--tokenizer", default="gpt2")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--every", type=int, default=10, help="the --stats-every to state the average cost at")
+    args, args.flags = p.parse_known_args()  # the rest goes to train.py (--batch-size, --seq-len, ...)
+    skip = 5  # warm-up: allocation, compilation
+    with tempfile.TemporaryDirectory() as tmp:
+        mixed = step_times(args, Path(tmp) / "mixed", 2)
+        off = step_times(args, Path(tmp) / "off", 0)
+    stats_steps = [t for s, t in mixed.items() if s > skip and s % 2 == 0]
+    plain_steps = [t for s, t in mixed.items() if s > skip and s % 2 == 1]
+    with_stats, plain = statistics.median(stats_steps), statistics.median(plain_steps)
+    no_hooks = statistics.median(t for s, t in off.items() if s > skip)
+    ratio = with_stats / plain
+    print(f"{args.preset} on {args.device}: median seconds per step over {len(stats_steps)} + {len(plain_steps)} "
+          "alternating steps of one run")
+    print(f"  step with statistics  {with_stats:.4f} s")
+    print(f"  plain step            {plain:.4f} s   ratio {ratio:.3f}")
+    print(f"  at --stats-every {args.every}: {(ratio - 1) / args.every:+.2%} a step on average")
+    print(f"  --stats-every 0 (no hooks; a separate run): {no_hooks:.4f} s; the plain step above is "
+          f"{plain / no_hooks:.3f} of it")
+
+
+if __name__ == "__main__":
+    main()
