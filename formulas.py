@@ -174,7 +174,9 @@ def comm_report(grid: Grid, expected: dict) -> str:
 
 
 def overlap_report(sync: GradSync) -> str:
-    """When each bucket's collective started relative to the end of the backward pass."""
+    """When each bucket's collective was launched, relative to the end of this rank's backward. (How long
+    it then took, and how much of that was waiting for another rank's backward, is what --print-timeline
+    shows: one number measured on one rank cannot tell the two apart.)"""
     events = sync.last_events
     done = next(t for what, _, t in events if what == "backward done")
     launches = [(i, t) for what, i, t in events if what == "launch"]
@@ -182,8 +184,6 @@ def overlap_report(sync: GradSync) -> str:
     lines = [f"gradient buckets: {len(sync.buckets)}; launched before the backward finished: {early}"]
     for i, t in launches:
         lines.append(f"  bucket {i}: launched {1e3 * (t - done):+8.2f} ms from the end of the backward")
-    reduced = next(t for what, _, t in events if what == "reduced")
-    lines.append(f"  waiting for communication after the backward: {1e3 * (reduced - done):.2f} ms")
     return "\n".join(lines)
 
 

@@ -140,11 +140,15 @@ def setup(cfg: config.TrainConfig) -> Run:
     cfg = config.resolve_defaults(cfg, device, bf16_ok=device.type != "cuda" or torch.cuda.is_bf16_supported())
     precision = stability.PRECISIONS[cfg.precision]
     out = Path(cfg.out)
-    rundir.check_out(out)
-    grid = parallel.init_grid(cfg.tp, cfg.pp, device, cfg.timeout, sp=cfg.sp, cp=cfg.cp, cp_attn=cfg.cp_attn,
-                              vp=cfg.virtual_stages)
+    # Every check that needs only the flags and the world size, before any process talks to another and
+    # before any data: a wrong layout fails in a second on every rank alike (main prints it once).
+    grid = parallel.layout(cfg.tp, cfg.pp, device, sp=cfg.sp, cp=cfg.cp, cp_attn=cfg.cp_attn, vp=cfg.virtual_stages)
     device = grid.device
-    per_rank = config.check_batch(cfg, grid)  # before the data: a wrong layout fails in a second, not minutes
+    per_rank = config.check_batch(cfg, grid)
+    model_cfg = config.model_config(cfg)
+    parallel.check_layout(model_cfg, grid, cfg.seq_len)
+    rundir.check_out(out)
+    parallel.connect(grid, cfg.timeout)
     lock, run_id = claim_out(cfg, grid)
     torch.manual_seed(cfg.seed)  # dropout's stream; the same on every rank, as tensor parallelism needs
     random.seed(cfg.seed)
@@ -160,7 +164,6 @@ def setup(cfg: config.TrainConfig) -> Run:
     if len(val) < cfg.eval_batches:
         grid.log(f"evaluation: {len(val)} batch{'es' if len(val) > 1 else ''} of {cfg.batch_size} sequences, all "
                  f"the validation split holds (--eval-batches {cfg.eval_batches} asked for more)")
-    model_cfg = config.model_config(cfg, tok)
     model = parallel.build_model(model_cfg, grid, cfg.seed, device, cfg.seq_len)
     if cfg.init_from:  # before the optimizer, so ZeRO's master weights start from these values
         hf.load_hf(model, Path(cfg.init_from))
@@ -595,8 +598,12 @@ def main(argv=None) -> None:
         if run.grid.is_logger:
             print(f"done: step {run.step}" + (f", loss {last['loss']:.4f}" if last else " (nothing left to do)")
                   + (f", val loss {last['val_loss']:.4f}" if "val_loss" in last else ""))
-    except (config.ConfigError, data.DataError, checkpoint.CheckpointError, parallel.LayoutError, rundir.RunDirError,
-            FloatingPointError) as e:
+    except (config.ConfigError, parallel.LayoutError) as e:
+        if torch.distributed.is_initialized():  # found by some ranks only: each says what it found
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+        stop_every_rank(e)
+    except (data.DataError, checkpoint.CheckpointError, rundir.RunDirError, FloatingPointError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except parallel.PeerError as e:  # a dead or hung peer: one line instead of a traceback wall
@@ -605,6 +612,19 @@ def main(argv=None) -> None:
         sys.exit(3)
     finally:
         parallel.shutdown()
+
+
+def stop_every_rank(e: Exception) -> None:
+    """A flag error, found before any process talked to another: every rank found the same one. Alone, exit
+    2. Under torchrun, rank 0 says it once and every rank exits 0: a non-zero exit would make torchrun print
+    a traceback of its own for each attempt and, with --max-restarts, launch the same mistake again."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"error: {e} (all {world} processes stopped)", file=sys.stderr)
+    sys.exit(0)
 
 
 if __name__ == "__main__":
