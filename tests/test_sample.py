@@ -35,6 +35,16 @@ def runs(corpus, tmp_path_factory) -> dict:
     return {name: (root / name, logged_sample(log)) for name, log in logs.items()}
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One thread, as train.py's subprocesses here have: a tiny model's sampling is thousands of tiny ops, and on
+    a busy 2-core machine more threads mostly wait for each other."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def logged_sample(log: str) -> str:
     """The text of the last `step N val ... | sample: '...'` line train.py printed."""
     return ast.literal_eval(re.findall(r"^step \d+ val [\d.]+ \| sample: (.*)$", log, re.M)[-1])
