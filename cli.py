@@ -16,6 +16,8 @@ default ("auto", 0) becomes.
 """
 
 import argparse
+import os
+import sys
 from dataclasses import MISSING, field, fields
 
 
@@ -84,3 +86,16 @@ def parser(config_type, description: str, epilog: str | None = None, prog: str |
                                           default=default, **kw)
         action.help = kw["help"]  # (some Pythons' BooleanOptionalAction append a default of their own)
     return p
+
+
+def stop_every_rank(message: str) -> None:
+    """An error that every rank found alike (a flag, a layout, a checkpoint they all read): alone, print it
+    and exit 2. Under torchrun, rank 0 says it once and every rank exits 0: a non-zero exit would make
+    torchrun print a traceback of its own and, with --max-restarts, launch the same mistake again."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun
+    if world == 1:
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"error: {message} (all {world} processes stopped)", file=sys.stderr)
+    sys.exit(0)

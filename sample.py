@@ -285,16 +285,15 @@ def main(argv=None) -> None:
     cfg = parse_args(argv)
     grid = None
     try:
-        grid = parallel.init_grid(cfg.tp, cfg.pp, config.pick_device(cfg.device), cfg.timeout)
+        grid = parallel.layout(cfg.tp, cfg.pp, config.pick_device(cfg.device))
         if grid.dp > 1:
             raise parallel.LayoutError(f"sampling runs on tp * pp = {cfg.tp * cfg.pp} processes, not {grid.world}; "
                                        f"launch torchrun --nproc-per-node {cfg.tp * cfg.pp}")
+        parallel.connect(grid, cfg.timeout)
         run(cfg, grid)
     except (checkpoint.CheckpointError, config.ConfigError, parallel.LayoutError, tokenizer.DataError,
             SampleError) as e:
-        if int(os.environ.get("RANK", "0")) == 0:  # every rank meets the same problem: say it once
-            print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        cli.stop_every_rank(str(e))  # every rank reads the same flags and files: said once
     except parallel.PeerError as e:
         print(f"error: rank {os.environ.get('RANK', '0')}: a peer process failed or timed out ({e})", file=sys.stderr)
         sys.exit(3)

@@ -38,6 +38,7 @@ import torch
 from tqdm import tqdm
 
 import checkpoint
+import cli
 import config
 import data
 import formulas
@@ -602,7 +603,7 @@ def main(argv=None) -> None:
         if torch.distributed.is_initialized():  # found by some ranks only: each says what it found
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
-        stop_every_rank(e)
+        cli.stop_every_rank(str(e))
     except (data.DataError, checkpoint.CheckpointError, rundir.RunDirError, FloatingPointError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -612,19 +613,6 @@ def main(argv=None) -> None:
         sys.exit(3)
     finally:
         parallel.shutdown()
-
-
-def stop_every_rank(e: Exception) -> None:
-    """A flag error, found before any process talked to another: every rank found the same one. Alone, exit
-    2. Under torchrun, rank 0 says it once and every rank exits 0: a non-zero exit would make torchrun print
-    a traceback of its own for each attempt and, with --max-restarts, launch the same mistake again."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"error: {e} (all {world} processes stopped)", file=sys.stderr)
-    sys.exit(0)
 
 
 if __name__ == "__main__":
