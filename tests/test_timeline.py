@@ -42,7 +42,8 @@ def test_waiting_for_a_peer_is_told_apart_from_the_transfer():
     (a, b), (c, d) = timeline.split_waiting(ranks)
     assert (a["wait"], a["transfer"]) == (2.0, 1.0) and (c["wait"], c["transfer"]) == (0.0, 1.0)
     assert (b["wait"], b["transfer"]) == (0.5, 0.5) and (d["wait"], d["transfer"]) == (0.0, 0.5)
-    assert timeline.overlapped(2.5, 4.0, ranks[1]["spans"]) == 0.5
+    assert timeline.overlapped([(2.5, 4.0), (2.0, 3.5)], ranks[1]["spans"]) == 1.0  # [2, 3) of [2, 4)
+    assert timeline.length([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0)]) == 4.0
     picture = timeline.draw(ranks, width=60)
     row0 = picture.splitlines()[2]  # rank 0's dp lane: waits ('.') from 1.0 to 3.0, then transfers ('=')
     assert row0.index(".") < row0.index("=") and "." not in row0[row0.index("="):row0.index("=") + 5]
