@@ -5,13 +5,16 @@
                `comm_report` puts them beside the bytes `Grid` counted
     overlap    when each gradient bucket's collective started, relative to the end of backward
     memory     weights, gradients and optimizer state against ZeRO's 2Ψ + 2Ψ + 12Ψ (each / dp from
-               its stage on), saved activations against Korthikanti et al.'s s b h (34 + 5 a s / h)
-    plan       a whole run on paper: memory, traffic and time of any layout (lesson 12)
+               its stage on); saved activations against activation_bytes, the one activation model
+               (flash-aware, by --recompute) that plan() and the lessons use too, with Korthikanti et
+               al.'s s b h (34 + 5 a s / h) beside it
+    plan       a whole run on paper: memory, traffic and the step time of any layout, from the
+               per-GPU matmul shapes, the exposed communication and the bubble (lessons 10, 12)
     peak       the FLOP/s an MFU is measured against: a table for GPUs, a measured matmul on CPU;
                and the peak bytes a piece of work allocates, measured
 
-Nothing here changes training; train.py calls it for --comm-report and MFU, lessons 07-12 to
-check their arithmetic.
+Nothing here changes training; train.py calls it for --comm-report, --memory-report, MFU and the
+pipeline warning, lessons 07-14 to check their arithmetic.
 """
 
 import time
