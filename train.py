@@ -177,9 +177,8 @@ def setup(cfg: config.TrainConfig) -> Run:
     opt = make_optimizer(model, cfg, device, sync)
     gather = zero.ParamGather(model, sync, grid) if cfg.zero == 3 else None  # after the optimizer sharded the weights
     stages = pipeline.Pipeline(model, grid, cfg.pp_schedule, grad_sync=sync) if grid.pp > 1 else None
-    if stages and cfg.pp_schedule != "gpipe" and cfg.micro_batch_size * grid.pp > per_rank:
-        grid.log(f"warning: {per_rank // cfg.micro_batch_size} micro-batches for {grid.pp} stages: the "
-                 "pipeline bubble dominates; use more micro-batches (smaller --micro-batch-size)")
+    if stages and (warning := formulas.pipeline_warning(grid.pp, per_rank // cfg.micro_batch_size, grid.vp)):
+        grid.log(warning)
     scaler = stability.LossScaler(precision.loss_scaling, cfg.loss_scale, cfg.loss_scale_window)
     guard = stability.SpikeGuard(cfg.spike_z, cfg.spike_window)
     saver = checkpoint.Saver(out / "ckpt", keep=cfg.keep, asynchronous=cfg.async_ckpt, grid=grid, run=run_id,
