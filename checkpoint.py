@@ -505,10 +505,10 @@ def restore(ckpt_dir: Path, model, opt, grid, meta: dict, run: str, log=print) -
                           "or remove them, or pass --fresh to start a new run (this one is moved aside)")
 
 
-def consolidate(path: Path) -> dict[str, torch.Tensor]:
+def consolidate(path: Path, manifest: dict | None = None) -> dict[str, torch.Tensor]:
     """The full model's parameters from a checkpoint of any layout (fp32 master weights when the
-    run kept them)."""
-    manifest = storage.verify(path)
+    run kept them). `manifest`: the one storage.verify returned for it, if the caller has it."""
+    manifest = manifest or storage.verify(path)
     reader = Reader(path, manifest)
     names = dict.fromkeys(n.split("::")[0] for n in reader.entries)  # ZeRO-3 saves only the masters
     return {n: reader.full(f"{n}::master" if f"{n}::master" in reader else n).float() for n in names}

@@ -2,24 +2,32 @@
 
     @dataclass
     class Config:
-        lr: float = arg(1e-3, "peak learning rate", at_least(0))
-        fresh: bool = arg(False, "start over")
+        lr: float = arg(1e-3, "peak learning rate", at_least(0), group="optimization")
+        warmup: int = arg(0, "warm-up steps", shown="5% of the steps")
+        fresh: bool = arg(False, "start over", group="checkpoints")
 
-    cfg = parse(Config, argv, "what the program does")      # --lr 1e-3 --fresh
+    cfg = Config(**vars(parser(Config, "what the program does").parse_args(argv)))
 
-train.py and data.py both build their flags this way, so a flag is declared once, with its default,
-its meaning and what values it accepts; a bad value is refused by the parser in one line, before
-any work starts.
+train.py, data.py and sample.py build their flags this way, so a flag is declared once, with its
+default, its meaning and what values it accepts; a bad value is refused by the parser in one line,
+before any work starts. `--help` lists the flags under headings (a field's `group` starts one; the
+fields after it belong to it) and shows each default as it really is: `shown` says what an automatic
+default ("auto", 0) becomes.
 """
 
 import argparse
+import os
+import sys
 from dataclasses import MISSING, field, fields
 
 
-def arg(default, help: str, check: tuple | None = None, flag: str = "", **kw):
-    """A flag: its default, its help, optionally (test, "what it must be") checked by the parser,
-    and optionally a flag name other than the field's (`--data` for `source`)."""
-    return field(default=default, metadata={"help": help, "check": check, "flag": flag, **kw})
+def arg(default, help: str, check: tuple | None = None, flag: str = "", group: str = "", shown: str = "", **kw):
+    """A flag: its default, its help, optionally (test, "what it must be") checked by the parser, a flag
+    name other than the field's (`--data` for `source`), the --help heading it starts (`group`), and the
+    default as --help should show it when the value alone would not say (`shown`: "gpt2 on CUDA, mini on
+    CPU" rather than "auto")."""
+    return field(default=default, metadata={"help": help, "check": check, "flag": flag, "group": group,
+                                            "shown": shown, **kw})
 
 
 def at_least(lo, note: str = "") -> tuple:
@@ -44,22 +52,50 @@ def checked(kind, check: tuple | None):
     return convert
 
 
+def default_text(f) -> str:
+    """What --help says a flag's default is."""
+    if f.metadata.get("shown"):
+        return f.metadata["shown"]
+    if f.type in (bool, "bool"):
+        return "on" if f.default else "off"
+    return repr(f.default) if isinstance(f.default, str) else str(f.default)
+
+
 def parser(config_type, description: str, epilog: str | None = None, prog: str | None = None) -> OneLineParser:
-    """A parser with one flag per field of `config_type`. A bool field is a switch (--x, or --no-x when
-    it is on by default); a `bool | None` field takes --x / --no-x and stays None (automatic) when neither is given."""
+    """A parser with one flag per field of `config_type`, under the headings the fields' `group` starts.
+    A bool field is a switch (--x, or --no-x when it is on by default); a `bool | None` field takes
+    --x / --no-x and stays None (automatic) when neither is given."""
     p = OneLineParser(prog=prog, description=description, epilog=epilog,
-                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                      formatter_class=lambda prog: argparse.HelpFormatter(prog, max_help_position=32, width=100))
+    section = p
     for f in fields(config_type):
-        meta = {k: v for k, v in f.metadata.items() if k not in ("check", "flag")}
+        if f.metadata.get("group"):
+            section = p.add_argument_group(f.metadata["group"])
+        kw = {k: v for k, v in f.metadata.items() if k not in ("check", "flag", "group", "shown")}
+        kw["help"] = f"{kw['help']} (default: {default_text(f)})".replace("%", "%%")
         flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
         default = f.default if f.default is not MISSING else None
         if f.type in (bool, "bool") and not default:
-            p.add_argument(flag, dest=f.name, action="store_true", **meta)
+            action = section.add_argument(flag, dest=f.name, action="store_true", **kw)
         elif f.type in (bool, "bool"):  # on by default: --no-x turns it off
-            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=True, **meta)
+            action = section.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=True, **kw)
         elif f.type in (bool | None, "bool | None"):
-            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, **meta)
+            action = section.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, **kw)
         else:
-            p.add_argument(flag, dest=f.name, type=checked(type(default), f.metadata.get("check")),
-                           default=default, **meta)
+            action = section.add_argument(flag, dest=f.name, type=checked(type(default), f.metadata.get("check")),
+                                          default=default, **kw)
+        action.help = kw["help"]  # (some Pythons' BooleanOptionalAction append a default of their own)
     return p
+
+
+def stop_every_rank(message: str) -> None:
+    """An error that every rank found alike (a flag, a layout, a checkpoint they all read): alone, print it
+    and exit 2. Under torchrun, rank 0 says it once and every rank exits 0: a non-zero exit would make
+    torchrun print a traceback of its own and, with --max-restarts, launch the same mistake again."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun
+    if world == 1:
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"error: {message} (all {world} processes stopped)", file=sys.stderr)
+    sys.exit(0)

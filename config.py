@@ -29,86 +29,75 @@ import stability
 import tokenizer
 from cli import arg, at_least
 
-AUTO = " (0: automatic)"
 CACHE_DIR = str(data.DEFAULT_CACHE_DIR)  # (inside the class, `data` is the field)
 CRASH_AT = re.compile(r"(rank:\d+:)?(step|save):\d+")
 
 
 @dataclass
 class TrainConfig:
-    # data
-    data: str = arg("stdlib", "corpus: 'stdlib' (Python's own library), 'shakespeare', or a file/dir/glob")
+    data: str = arg("stdlib", "corpus: 'stdlib' (Python's own library), 'shakespeare', or a file/dir/glob",
+                    group="data")
     tokenizer: str = arg("gpt2", "tokenizer: 'gpt2' (BPE) or 'byte'", choices=["gpt2", "byte"])
     cache_dir: str = arg(CACHE_DIR, "where prepared token shards and the tokenizer live")
-    # model
-    preset: str = arg("auto", "model size: auto (gpt2 on CUDA, mini on CPU) or one of "
-                      + ", ".join(gpt.PRESETS))
+
+    preset: str = arg("auto", "model size: " + ", ".join(gpt.PRESETS), group="model",
+                      shown="gpt2 on CUDA, mini on CPU")
     init_from: str = arg("", "start from Hugging Face GPT-2 weights: a local model directory (config.json "
-                         "and model.safetensors or pytorch_model.bin); its config replaces --preset")
-    n_layer: int = arg(0, "transformer blocks (0: the preset's); part of the architecture, so a checkpoint of "
-                       "another depth is refused", at_least(0))
-    seq_len: int = arg(0, "tokens per sequence (0: the model's context on CUDA, 128 on CPU)", at_least(0))
+                         "and model.safetensors or pytorch_model.bin); its config replaces --preset",
+                         shown="none: random init by (seed, name)")
+    n_layer: int = arg(0, "transformer blocks; part of the architecture, so a checkpoint of another depth is "
+                       "refused", at_least(0), shown="the preset's")
+    seq_len: int = arg(0, "tokens per sequence", at_least(0), shown="the model's context on CUDA, 128 on CPU")
     dropout: float = arg(0.0, "dropout probability", (lambda v: 0 <= v < 1, "must be in [0, 1)"))
-    attn: str = arg("auto", "attention backend (auto: our Triton kernel on CUDA where it applies, SDPA "
-                    "elsewhere)", choices=list(kernels.BACKENDS))
+    attn: str = arg("auto", "attention backend", choices=list(kernels.BACKENDS),
+                    shown="our Triton kernel on CUDA where it applies, SDPA elsewhere")
     recompute: str = arg("none", "activation recomputation: keep only each block's input and recompute the "
                          "block in the backward (full), or recompute only the attention core (selective)",
                          choices=["none", "selective", "full"])
-    compile: bool | None = arg(None, "torch.compile each transformer block and the fused loss (default: on "
-                               "with CUDA, off on CPU, where compiling costs more than it saves at these sizes)")
-    # optimization
-    max_steps: int = arg(0, "optimizer steps (0: on CUDA, two epochs of the training data, at most 5000; "
-                         "on CPU 200, about 5 minutes)", at_least(0))
-    batch_size: int = arg(0, "global batch in sequences per optimizer step (0: 64 on CUDA, 8 on CPU)", at_least(0))
+    compile: bool | None = arg(None, "torch.compile each transformer block and the fused loss",
+                               shown="on with CUDA; off on CPU, where compiling costs more than it saves")
+
+    max_steps: int = arg(0, "optimizer steps", at_least(0), group="optimization",
+                         shown="200 on CPU (about 7 minutes); on CUDA two epochs of the data, at most 5000")
+    batch_size: int = arg(0, "global batch in sequences per optimizer step", at_least(0),
+                          shown="64 on CUDA, 8 on CPU")
     micro_batch_size: int = arg(0, "sequences per forward/backward on one rank; the rest is gradient "
-                                "accumulation (0: the whole per-rank batch)", at_least(0))
-    lr: float = arg(0.0, "peak learning rate (0: 6e-4 on CUDA, as GPT-2 124M trains; 2e-3 on CPU, where the "
-                    "model is small)", at_least(0, AUTO))
-    min_lr: float = arg(-1.0, "learning rate at the end of the cosine decay (-1: --lr / 10)",
-                        (lambda v: v >= 0 or v == -1, "must be >= 0, or -1 for --lr / 10"))
-    warmup_steps: int = arg(0, "linear warm-up steps (0: 5%% of max-steps)", at_least(0))
+                                "accumulation", at_least(0), shown="the whole per-rank batch")
+    lr: float = arg(0.0, "peak learning rate", at_least(0), shown="6e-4 on CUDA, as GPT-2 124M trains; 2e-3 on "
+                    "CPU, where the model is small")
+    min_lr: float = arg(-1.0, "learning rate at the end of the cosine decay",
+                        (lambda v: v >= 0 or v == -1, "must be >= 0, or -1 for --lr / 10"), shown="--lr / 10")
+    warmup_steps: int = arg(0, "linear warm-up steps", at_least(0), shown="5% of --max-steps")
     weight_decay: float = arg(0.1, "AdamW weight decay, on matrices and embeddings only", at_least(0))
     clip: float = arg(1.0, "clip the global gradient norm to this (0: off)", at_least(0))
-    precision: str = arg("auto", "fp32, bf16 (autocast) or fp16 (autocast + loss scaling); auto: bf16 on "
-                         "CUDA, fp32 on CPU", choices=["auto", "fp32", "bf16", "fp16"])
-    loss_scale: float = arg(2.0**16, "fp16: initial loss scale", (lambda v: v > 0, "must be > 0"))
-    loss_scale_window: int = arg(1000, "fp16: grow the scale after this many steps without overflow", at_least(1))
-    max_bad_steps: int = arg(5, "stop after this many non-finite steps in a row", at_least(1))
-    # evaluation and logging
-    eval_every: int = arg(0, "evaluate (and print a sample) every N steps (0: 10 times per run)", at_least(0))
-    eval_batches: int = arg(4, "global batches of validation data per evaluation (fewer if the split is "
-                            "smaller)", at_least(1))
-    sample_tokens: int = arg(96, "tokens to sample at each evaluation (0: none)", at_least(0))
-    stats_every: int = arg(10, "per-layer gradient norms, update/weight ratios and activation RMS at step 1 and "
-                           "every N steps, to metrics.jsonl and out/report.html (0: off; stats.py)", at_least(0))
-    # run
-    out: str = arg("out", "run directory: metrics.jsonl, checkpoints (one run at a time holds it)")
     seed: int = arg(1337, "seed for the initial weights and the data order",
                     (lambda v: 0 <= v < 2**32, "must be in [0, 2^32)"))
-    device: str = arg("auto", "auto (CUDA when there is a GPU), cpu, cuda")
+    max_bad_steps: int = arg(5, "stop after this many non-finite steps in a row", at_least(1))
+
+    precision: str = arg("auto", "fp32, bf16 (autocast) or fp16 (autocast + loss scaling)",
+                         choices=["auto", "fp32", "bf16", "fp16"], group="precision", shown="bf16 on CUDA, fp32 on CPU")
+    loss_scale: float = arg(2.0**16, "fp16: initial loss scale", (lambda v: v > 0, "must be > 0"), shown="65536")
+    loss_scale_window: int = arg(1000, "fp16: grow the scale after this many steps without overflow", at_least(1))
+
+    out: str = arg("out", "run directory: metrics.jsonl, report.html, checkpoints (one run at a time holds it)",
+                   group="checkpoints and recovery")
     fresh: bool = arg(False, "start a new run at step 0: the previous run in --out is moved to --out/previous/")
-    # checkpoints and guards
     ckpt_every: int = arg(0, "save a checkpoint every N steps (0: only at the end)", at_least(0))
     keep: int = arg(2, "checkpoints to keep (older ones are deleted once a newer one is complete)", at_least(1))
     async_ckpt: bool = arg(False, "save checkpoints in the background: training pays only for a copy")
-    spike_z: float = arg(0.0, "loss-spike guard (0: off): a loss more than Z standard deviations above "
-                         "the mean of the last --spike-window losses, and 20%% above it, is a spike: "
-                         "roll back to the last checkpoint and skip that batch", at_least(0))
+    spike_z: float = arg(0.0, "loss-spike guard (0: off): a loss more than Z standard deviations above the mean "
+                         "of the last --spike-window losses, and 20% above it, is a spike: roll back to the last "
+                         "checkpoint and skip that batch", at_least(0))
     spike_window: int = arg(20, "losses the spike guard keeps statistics over", at_least(1))
-    max_rollbacks: int = arg(3, "the spike guard gives up (an error) when it rolls back this many times in a "
-                             "row without getting past the spike", at_least(1))
-    crash_at: str = arg("", "fault injection for tests: 'step:N' SIGKILLs the process after step N, "
-                        "'save:N' in the middle of the save at step N, 'rank:R:step:N' only rank R (only "
-                        "in a launcher's first attempt, so a restarted job runs through)",
-                        (lambda v: v == "" or CRASH_AT.fullmatch(v), "must look like step:N, save:N or "
-                         "rank:R:step:N"))
-    poison_step: int = arg(-1, "fault injection for tests: replace batch N (the one step N + 1 draws) with one "
-                           "rare token repeated (-1: off)", at_least(-1))
-    # parallelism (launch with torchrun; data-parallel degree = processes / (tp * cp * pp))
+    max_rollbacks: int = arg(3, "the spike guard gives up (an error) when it rolls back this many times in a row "
+                             "without getting past the spike", at_least(1))
+
+    device: str = arg("auto", "cpu or cuda", group="parallelism (launch with torchrun; the data-parallel "
+                      "degree is the processes / (tp x cp x pp))", shown="cuda when there is a GPU")
     tp: int = arg(1, "tensor-parallel degree (ranks that split each layer)", at_least(1))
     pp: int = arg(1, "pipeline-parallel degree (stages of layers)", at_least(1))
-    sp: bool = arg(False, "sequence parallelism: shard LayerNorm/dropout activations along the sequence "
-                   "across the tensor-parallel ranks")
+    sp: bool = arg(False, "sequence parallelism: shard LayerNorm/dropout activations along the sequence across "
+                   "the tensor-parallel ranks")
     cp: int = arg(1, "context-parallel degree: ranks that each keep a slice of every sequence (context.py)",
                   at_least(1))
     cp_attn: str = arg("ring", "how attention sees the whole sequence under --cp: ring (keys and values passed "
@@ -125,19 +114,37 @@ class TrainConfig:
     no_overlap: bool = arg(False, "all-reduce gradients after the backward instead of during it")
     timeout: float = arg(300.0, "seconds a collective (or a checkpoint commit) may wait for a peer before the "
                          "run fails", (lambda v: v > 0, "must be > 0"))
+
+    eval_every: int = arg(0, "evaluate (and print a sample) every N steps", at_least(0), group="reporting",
+                          shown="10 times per run")
+    eval_batches: int = arg(4, "global batches of validation data per evaluation (fewer if the split is "
+                            "smaller)", at_least(1))
+    sample_tokens: int = arg(96, "tokens to sample at each evaluation (0: none)", at_least(0))
+    stats_every: int = arg(10, "per-layer gradient norms, update/weight ratios and activation RMS at step 1 and "
+                           "every N steps, to metrics.jsonl and the dashboard (0: off; stats.py)", at_least(0))
     print_grid: bool = arg(False, "print the process grid at start-up")
     print_schedule: bool = arg(False, "print the pipeline schedule the stages ran on the first step")
     print_timeline: bool = arg(False, "print every rank's compute and collectives of the second step on one time "
                                "axis, waiting for peers apart from transfer (timeline.py); also --out/timeline.json")
-    comm_report: bool = arg(False, "print the bytes every collective moved on the first step, next to "
-                            "the formula they should match")
+    comm_report: bool = arg(False, "print the bytes every collective moved on the first step, next to the "
+                            "formula they should match")
     memory_report: bool = arg(False, "print, per rank, the bytes of weights, gradients, optimizer state and "
                               "saved activations of the first step, next to the ZeRO and Korthikanti formulas")
 
+    crash_at: str = arg("", "'step:N' SIGKILLs the process after step N, 'save:N' in the middle of the save at "
+                        "step N, 'rank:R:step:N' only rank R (only in a launcher's first attempt, so a restarted "
+                        "job runs through)", (lambda v: v == "" or CRASH_AT.fullmatch(v), "must look like step:N, "
+                        "save:N or rank:R:step:N"), group="fault injection (for tests and lessons)", shown="off")
+    poison_step: int = arg(-1, "replace batch N (the one step N + 1 draws) with one rare token repeated",
+                           at_least(-1), shown="-1: off")
+
 
 def parse_args(argv=None) -> TrainConfig:
-    p = cli.parser(TrainConfig, __doc__.split("\n")[0], prog="python train.py",
-                   epilog="Every flag has a default; see README.md and lessons/ for what they do.")
+    p = cli.parser(TrainConfig, "Train a GPT-2 on a CPU, a GPU or many (torchrun --nproc-per-node N train.py "
+                   "...). Every flag has a default; an automatic one shows what it becomes.",
+                   prog="python train.py", epilog="README.md says what a run prints and writes; lessons/ teach "
+                   "what each flag does, one idea at a time.")
+    p.usage = "python train.py [flags]   or   torchrun --nproc-per-node N train.py [flags]"
     return TrainConfig(**vars(p.parse_args(argv)))
 
 
@@ -246,14 +253,19 @@ def check_batch(cfg: TrainConfig, grid: parallel.Grid) -> int:
     return per_rank
 
 
-def model_config(cfg: TrainConfig, tok: tokenizer.Tokenizer) -> gpt.GPTConfig:
-    """The architecture: a preset, or the config.json of the Hugging Face model to start from."""
+VOCAB_SIZES = {t.name: t.vocab_size for t in (tokenizer.ByteTokenizer, tokenizer.GPT2Tokenizer)}
+
+
+def model_config(cfg: TrainConfig) -> gpt.GPTConfig:
+    """The architecture: a preset, or the config.json of the Hugging Face model to start from. It needs
+    only the tokenizer's name, not its file, so a layout that cannot split it fails before any data."""
+    vocab = VOCAB_SIZES[cfg.tokenizer]
     if not cfg.init_from:
         depth = {"n_layer": cfg.n_layer} if cfg.n_layer else {}
-        return gpt.config_from_preset(cfg.preset, tok.vocab_size, dropout=cfg.dropout, attn=cfg.attn,
+        return gpt.config_from_preset(cfg.preset, vocab, dropout=cfg.dropout, attn=cfg.attn,
                                       recompute=cfg.recompute, **depth)
     arch = hf.hf_config(Path(cfg.init_from))
-    if arch["vocab_size"] != tok.vocab_size:
-        raise ConfigError(f"{cfg.init_from} has a vocabulary of {arch['vocab_size']} tokens but the {tok.name} "
-                          f"tokenizer has {tok.vocab_size}; use the tokenizer the model was trained with")
+    if arch["vocab_size"] != vocab:
+        raise ConfigError(f"{cfg.init_from} has a vocabulary of {arch['vocab_size']} tokens but the {cfg.tokenizer} "
+                          f"tokenizer has {vocab}; use the tokenizer the model was trained with")
     return gpt.GPTConfig(**arch, dropout=cfg.dropout, attn=cfg.attn, recompute=cfg.recompute)

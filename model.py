@@ -282,10 +282,12 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                  top_k: int | None = None, generator: torch.Generator | None = None,
-                 next_logits=None) -> torch.Tensor:
+                 next_logits=None, on_token=None) -> torch.Tensor:
         """Sample continuations of idx (B, T) with a KV cache. When the context fills up, the cache
         is rebuilt from the last half of the window (an O(T) prefill every T/2 tokens).
-        `next_logits` (default: this model's) is how a pipeline runs the same loop across stages."""
+        `next_logits` (default: this model's) is how a pipeline runs the same loop across stages;
+        `on_token(nxt)`, when given, sees each new column of tokens (B, 1) as soon as it is drawn
+        (sample.py streams text with it)."""
         next_logits = next_logits or self.next_logits
         window = self.config.block_size
         out = idx[:, -window:]
@@ -310,6 +312,8 @@ class GPT(nn.Module):
                     logits = logits.masked_fill(logits < kth, float("-inf"))
                 nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)
             out = torch.cat([out, nxt], dim=1)
+            if on_token is not None:
+                on_token(nxt)
         return out
 
 

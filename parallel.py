@@ -307,9 +307,16 @@ class Grid:
 
 def init_grid(tp: int, pp: int, device: torch.device, timeout_s: float = 300, sp: bool = False,
               cp: int = 1, cp_attn: str = "ring", vp: int = 1) -> Grid:
-    """Join the process group that torchrun describes (or none, for one process) and build the
-    tp / cp / dp / dp_cp / pp groups. Every rank creates every group in the same order, as new_group
-    requires."""
+    """`layout`, then `connect`: the grid this process belongs to, with its process groups."""
+    grid = layout(tp, pp, device, sp=sp, cp=cp, cp_attn=cp_attn, vp=vp)
+    connect(grid, timeout_s)
+    return grid
+
+
+def layout(tp: int, pp: int, device: torch.device, sp: bool = False, cp: int = 1, cp_attn: str = "ring",
+           vp: int = 1) -> Grid:
+    """The grid that torchrun's WORLD_SIZE and RANK describe, before any process talks to another: every
+    rank computes the same one, so an impossible layout fails on every rank alike, at once."""
     world = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun
     rank = int(os.environ.get("RANK", "0"))
     if world % (tp * pp * cp):
@@ -320,13 +327,20 @@ def init_grid(tp: int, pp: int, device: torch.device, timeout_s: float = 300, sp
     grid = Grid(tp=tp, pp=pp, cp=cp, dp=world // (tp * pp * cp), rank=rank, sp=sp, cp_attn=cp_attn, vp=vp,
                 device=device)
     grid.traffic.time = timeline.Recorder(device)
+    return grid
+
+
+def connect(grid: Grid, timeout_s: float = 300) -> None:
+    """Join the process group that torchrun describes (none for one process) and build the tp / cp / dp /
+    dp_cp / pp groups. Every rank creates every group in the same order, as new_group requires."""
+    world, rank, tp, pp, cp = grid.world, grid.rank, grid.tp, grid.pp, grid.cp
     if world == 1:
-        return grid
+        return
     # A launcher that restarts the job (torchrun --max-restarts) keeps its key-value store; keys
     # from the dead attempt would point new groups at dead peers, so each attempt gets a prefix.
     store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timedelta(seconds=timeout_s)))
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
+    dist.init_process_group("nccl" if grid.device.type == "cuda" else "gloo", rank=rank, world_size=world,
                             store=dist.PrefixStore(f"nanoscale/attempt{attempt}", store),
                             timeout=timedelta(seconds=timeout_s))
     ids = torch.arange(world).view(pp, grid.dp, cp, tp)  # ids[pp_rank, dp_rank, cp_rank, tp_rank] = rank
@@ -338,7 +352,7 @@ def init_grid(tp: int, pp: int, device: torch.device, timeout_s: float = 300, sp
         layouts["embed"] = torch.stack([ids[0], ids[-1]], dim=-1).reshape(-1, 2)
     layouts["world"] = ids.reshape(1, world)
     for name, members in layouts.items():
-        grid.members[name] = tuple(next(r for r in members.tolist() if rank in r))
+        grid.members[name] = tuple(next((r for r in members.tolist() if rank in r), ()))
         if members.size(1) == world:
             grid.groups[name] = None  # the default group already is this group
             continue
@@ -346,7 +360,6 @@ def init_grid(tp: int, pp: int, device: torch.device, timeout_s: float = 300, sp
             group = dist.new_group(ranks)
             if rank in ranks:
                 grid.groups[name] = group
-    return grid
 
 
 def local_gpu() -> torch.device:

@@ -179,9 +179,25 @@ def split_waiting(ranks: list[dict]) -> list[list[dict]]:
     return out
 
 
-def overlapped(start: float, end: float, spans: list[tuple[str, float, float]]) -> float:
-    """Seconds of [start, end) during which this rank was computing."""
-    return sum(max(0.0, min(end, b) - max(start, a)) for _, a, b in spans)
+def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The same moments as disjoint intervals: time during which at least one of them ran."""
+    out = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        elif b > a:
+            out.append((a, b))
+    return out
+
+
+def length(intervals: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in union(intervals))
+
+
+def overlapped(intervals: list[tuple[float, float]], spans: list[tuple[str, float, float]]) -> float:
+    """Seconds of the union of `intervals` during which this rank was computing."""
+    busy = union([(a, b) for _, a, b in spans])
+    return sum(max(0.0, min(b, d) - max(a, c)) for a, b in union(intervals) for c, d in busy)
 
 
 def lanes(rows: list[dict]) -> dict[str, list[list[dict]]]:
@@ -224,20 +240,20 @@ def draw(ranks: list[dict], width: int = 96) -> str:
 
 
 def summary(ranks: list[dict], timed: list[list[dict]]) -> list[str]:
-    """Per rank and collective: how long it waited for peers, how long it transferred, and how much of
-    the transfer ran while this rank was computing (hidden) rather than idle (exposed)."""
+    """Per rank and collective, in wall time (overlapping calls count once): how long at least one call
+    waited for peers, how long at least one transferred, and how much of that transfer time this rank was
+    computing anyway (hidden) rather than idle (exposed)."""
     lines = [f"{'rank':<5} {'collective':<20} {'calls':>5} {'wait for peers':>15} {'transfer':>10} "
              f"{'hidden by compute':>18}"]
     for rank, (record, rows) in enumerate(zip(ranks, timed)):
-        totals = defaultdict(lambda: [0, 0.0, 0.0, 0.0])
+        by_name = defaultdict(list)
         for c in rows:
-            t = totals[f"{c['op']} {c['group']}"]
-            t[0] += 1
-            t[1] += c["wait"]
-            t[2] += c["transfer"]
-            t[3] += overlapped(c["start"], c["done"], record["spans"])
-        for name, (calls, wait, transfer, hidden) in sorted(totals.items()):
-            share = f"{hidden / transfer:.0%}" if transfer > 0 else "-"
-            lines.append(f"{rank:<5} {name:<20} {calls:>5} {1e3 * wait:>12.2f} ms {1e3 * transfer:>7.2f} ms "
+            by_name[f"{c['op']} {c['group']}"].append(c)
+        for name, calls in sorted(by_name.items()):
+            wait = length([(c["launch"], c["start"]) for c in calls])
+            moving = [(c["start"], c["done"]) for c in calls]
+            transfer = length(moving)
+            share = f"{overlapped(moving, record['spans']) / transfer:.0%}" if transfer > 0 else "-"
+            lines.append(f"{rank:<5} {name:<20} {len(calls):>5} {1e3 * wait:>12.2f} ms {1e3 * transfer:>7.2f} ms "
                          f"{share:>18}")
     return lines

@@ -65,6 +65,9 @@ class Tokenizer:
     def decode(self, ids) -> str:
         raise NotImplementedError
 
+    def token_bytes(self, i: int) -> bytes:  # one token's bytes: it may end mid-character (sample.py streams them)
+        raise NotImplementedError
+
     def identity(self) -> str:  # saved in checkpoints: a model is only valid with its own tokenizer
         raise NotImplementedError
 
@@ -87,6 +90,9 @@ class ByteTokenizer(Tokenizer):
         ids = [i for i in map(int, ids) if 0 <= i <= self.eot]  # ignore ids past the vocabulary
         pieces = [EOT_TEXT.encode() if i == self.eot else bytes([i]) for i in ids]
         return b"".join(pieces).decode("utf-8", errors="replace")  # a sample may end mid-character
+
+    def token_bytes(self, i: int) -> bytes:
+        return EOT_TEXT.encode() if i == self.eot else bytes([i])
 
     def identity(self) -> str:
         return "byte:v1"
@@ -125,6 +131,9 @@ class GPT2Tokenizer(Tokenizer):
 
     def decode(self, ids) -> str:
         return self.enc.decode([i for i in map(int, ids) if 0 <= i < self.vocab_size])
+
+    def token_bytes(self, i: int) -> bytes:
+        return self.enc.decode_single_token_bytes(i)
 
     def identity(self) -> str:
         return f"gpt2:sha256={GPT2_SHA256[:16]}"

@@ -42,6 +42,7 @@ import torch
 from tqdm import tqdm
 
 import checkpoint
+import cli
 import config
 import dashboard
 import data
@@ -147,11 +148,15 @@ def setup(cfg: config.TrainConfig) -> Run:
     cfg = config.resolve_defaults(cfg, device, bf16_ok=device.type != "cuda" or torch.cuda.is_bf16_supported())
     precision = stability.PRECISIONS[cfg.precision]
     out = Path(cfg.out)
-    rundir.check_out(out)
-    grid = parallel.init_grid(cfg.tp, cfg.pp, device, cfg.timeout, sp=cfg.sp, cp=cfg.cp, cp_attn=cfg.cp_attn,
-                              vp=cfg.virtual_stages)
+    # Every check that needs only the flags and the world size, before any process talks to another and
+    # before any data: a wrong layout fails in a second on every rank alike (main prints it once).
+    grid = parallel.layout(cfg.tp, cfg.pp, device, sp=cfg.sp, cp=cfg.cp, cp_attn=cfg.cp_attn, vp=cfg.virtual_stages)
     device = grid.device
-    per_rank = config.check_batch(cfg, grid)  # before the data: a wrong layout fails in a second, not minutes
+    per_rank = config.check_batch(cfg, grid)
+    model_cfg = config.model_config(cfg)
+    parallel.check_layout(model_cfg, grid, cfg.seq_len)
+    rundir.check_out(out)
+    parallel.connect(grid, cfg.timeout)
     lock, run_id = claim_out(cfg, grid)
     torch.manual_seed(cfg.seed)  # dropout's stream; the same on every rank, as tensor parallelism needs
     random.seed(cfg.seed)
@@ -167,7 +172,6 @@ def setup(cfg: config.TrainConfig) -> Run:
     if len(val) < cfg.eval_batches:
         grid.log(f"evaluation: {len(val)} batch{'es' if len(val) > 1 else ''} of {cfg.batch_size} sequences, all "
                  f"the validation split holds (--eval-batches {cfg.eval_batches} asked for more)")
-    model_cfg = config.model_config(cfg, tok)
     model = parallel.build_model(model_cfg, grid, cfg.seed, device, cfg.seq_len)
     if cfg.init_from:  # before the optimizer, so ZeRO's master weights start from these values
         hf.load_hf(model, Path(cfg.init_from))
@@ -180,9 +184,8 @@ def setup(cfg: config.TrainConfig) -> Run:
     opt = make_optimizer(model, cfg, device, sync)
     gather = zero.ParamGather(model, sync, grid) if cfg.zero == 3 else None  # after the optimizer sharded the weights
     stages = pipeline.Pipeline(model, grid, cfg.pp_schedule, grad_sync=sync) if grid.pp > 1 else None
-    if stages and cfg.pp_schedule != "gpipe" and cfg.micro_batch_size * grid.pp > per_rank:
-        grid.log(f"warning: {per_rank // cfg.micro_batch_size} micro-batches for {grid.pp} stages: the "
-                 "pipeline bubble dominates; use more micro-batches (smaller --micro-batch-size)")
+    if stages and (warning := formulas.pipeline_warning(grid.pp, per_rank // cfg.micro_batch_size, grid.vp)):
+        grid.log(warning)
     scaler = stability.LossScaler(precision.loss_scaling, cfg.loss_scale, cfg.loss_scale_window)
     guard = stability.SpikeGuard(cfg.spike_z, cfg.spike_window)
     saver = checkpoint.Saver(out / "ckpt", keep=cfg.keep, asynchronous=cfg.async_ckpt, grid=grid, run=run_id,
@@ -616,8 +619,12 @@ def main(argv=None) -> None:
         if run.grid.is_logger:
             print(f"done: step {run.step}" + (f", loss {last['loss']:.4f}" if last else " (nothing left to do)")
                   + (f", val loss {last['val_loss']:.4f}" if "val_loss" in last else ""))
-    except (config.ConfigError, data.DataError, checkpoint.CheckpointError, parallel.LayoutError, rundir.RunDirError,
-            FloatingPointError) as e:
+    except (config.ConfigError, parallel.LayoutError) as e:
+        if torch.distributed.is_initialized():  # found by some ranks only: each says what it found
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+        cli.stop_every_rank(str(e))
+    except (data.DataError, checkpoint.CheckpointError, rundir.RunDirError, FloatingPointError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except parallel.PeerError as e:  # a dead or hung peer: one line instead of a traceback wall

@@ -12,15 +12,30 @@ from conftest import ROOT, metrics, run_train
 
 import config
 import data
+import parallel
 import stability
 import train
 
 
-def test_help_documents_every_flag():
+def test_help_documents_every_flag_under_its_heading_with_its_real_default():
     out = subprocess.run([sys.executable, str(ROOT / "train.py"), "--help"], capture_output=True, text=True).stdout
     for f in config.TrainConfig.__dataclass_fields__:
         assert "--" + f.replace("_", "-") in out, f
-    assert "default" in out
+    headings = ["data:", "model:", "optimization:", "precision:", "checkpoints and recovery:", "parallelism (",
+                "reporting:", "fault injection (for tests and lessons):"]
+    at = [out.index("\n" + h) for h in headings]
+    assert at == sorted(at)  # in this order, each once
+    faults = out[at[-1]:]
+    assert "--crash-at" in faults and "--poison-step" in faults and "--crash-at" not in out[:at[-1]]
+    flat = " ".join(out.split())
+    assert "--preset PRESET model size: gpt2, gpt2-medium" in flat and "(default: gpt2 on CUDA, mini on CPU)" in flat
+    assert "(default: 200 on CPU" in flat and "(default: 0)" not in flat.split("--max-steps")[1][:200]
+
+
+def test_a_batch_that_does_not_split_fails_before_any_data_is_read(corpus, tmp_path):
+    result = run_train(corpus, tmp_path, "--batch-size", "8", "--micro-batch-size", "3", check=False)
+    assert result.returncode == 2 and "does not divide the per-rank batch 8" in result.stderr
+    assert "data:" not in result.stdout and not (tmp_path / "metrics.jsonl").exists()
 
 
 def test_same_seed_gives_bitwise_identical_losses(corpus, tmp_path):
@@ -230,6 +245,7 @@ class StepOnly:
         self.model, self.precision, self.device = model, stability.PRECISIONS[precision], torch.device("cpu")
         self.cfg = config.TrainConfig(micro_batch_size=micro_batch_size)
         self.scaler, self.pipe, self.sync, self.gather = stability.LossScaler(False), None, None, None
+        self.grid = parallel.Grid()
 
     @property
     def autocast(self):

@@ -1,0 +1,49 @@
+"""--print-timeline: every rank's compute and collectives of one step, on one time axis (timeline.py).
+
+What is asserted is the order of events, never their durations: with buckets, gradient all-reduces
+launch while the backward still runs; with --no-overlap, only after it has ended.
+"""
+
+import json
+
+import pytest
+from conftest import run_train
+
+import timeline
+
+FLAGS = ["--max-steps", "2", "--batch-size", "8", "--micro-batch-size", "2", "--bucket-mb", "0.1",
+         "--print-timeline"]
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_buckets_overlap_the_backward_and_no_overlap_waits_for_it(overlap, corpus, tmp_path):
+    result = run_train(corpus, tmp_path, *FLAGS, *([] if overlap else ["--no-overlap"]), nproc=2)
+    assert "step 2: timeline of one step" in result.stdout and "rank 1   compute" in result.stdout
+    record = json.loads((tmp_path / "timeline.json").read_text())
+    assert record["step"] == 2 and len(record["ranks"]) == 2
+    for rank in record["ranks"]:
+        names = [name for name, _, _ in rank["spans"]]
+        assert names == ["F", "B"] * 2 + ["O"]  # 2 micro-batches of 2 per rank, then the optimizer
+        backward_end = max(end for name, _, end in rank["spans"] if name == "B")
+        grads = [c for c in rank["comms"] if c[0] == "all_reduce" and c[1] == "dp" and c[3] > 4]  # not the loss
+        assert len(grads) > 2  # several buckets
+        early = [c for c in grads if c[4] < backward_end]  # launched before the backward ended
+        assert (len(early) > 0) == overlap, (len(early), len(grads))
+        assert all(launch <= done for *_, launch, done in rank["comms"])
+        optimizer_start = next(start for name, start, _ in rank["spans"] if name == "O")
+        assert all(c[5] <= optimizer_start for c in grads)  # every gradient is in before the update
+
+
+def test_waiting_for_a_peer_is_told_apart_from_the_transfer():
+    # rank 0 launches an all-reduce at 1.0, rank 1 only at 3.0; both see it done at 4.0
+    comm = lambda launch, done: ["all_reduce", "dp", [0, 1], 16, launch, done]
+    ranks = [{"spans": [("B", 0.0, 1.0)], "comms": [comm(1.0, 4.0), comm(5.0, 6.0)]},
+             {"spans": [("B", 0.0, 3.0)], "comms": [comm(3.0, 4.0), comm(5.5, 6.0)]}]
+    (a, b), (c, d) = timeline.split_waiting(ranks)
+    assert (a["wait"], a["transfer"]) == (2.0, 1.0) and (c["wait"], c["transfer"]) == (0.0, 1.0)
+    assert (b["wait"], b["transfer"]) == (0.5, 0.5) and (d["wait"], d["transfer"]) == (0.0, 0.5)
+    assert timeline.overlapped([(2.5, 4.0), (2.0, 3.5)], ranks[1]["spans"]) == 1.0  # [2, 3) of [2, 4)
+    assert timeline.length([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0)]) == 4.0
+    picture = timeline.draw(ranks, width=60)
+    row0 = picture.splitlines()[2]  # rank 0's dp lane: waits ('.') from 1.0 to 3.0, then transfers ('=')
+    assert row0.index(".") < row0.index("=") and "." not in row0[row0.index("="):row0.index("=") + 5]
