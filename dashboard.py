@@ -136,7 +136,7 @@ class Report:
         self.last = time.monotonic()
         try:
             write(self.out, page_data(self.out, self.about, status))
-        except (OSError, ValueError) as e:  # ValueError: an unreadable metrics.jsonl (rundir.RunDirError)
+        except Exception as e:  # a full disk, an unreadable metrics.jsonl: the run goes on without its page
             if not self.failed:
                 print(f"warning: could not write {self.out / 'report.html'}: {e}", flush=True)
             self.failed = True
