@@ -55,7 +55,10 @@ import sys
 import tempfile
 import time
 import unicodedata
+import warnings
 from collections import deque
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -160,7 +163,7 @@ def scan_chunk(texts: list[str]) -> tuple:
     """What a worker computes for each document of a chunk, from that document alone: its status after the
     quality filters, whether NFC changed it, its size, digest and signature, and its tokens ([eot] doc)."""
     cfg, tok, dtype = _WORKER
-    n = len(texts)
+    cpu, n = time.process_time(), len(texts)
     status, nfc = np.zeros(n, np.uint8), np.zeros(n, np.uint8)
     digest, sig = np.zeros((n, 2), np.uint64), np.zeros((n if cfg.dedup else 0, dedup.NUM_PERM), np.uint32)
     kept, kept_texts = [], []
@@ -184,7 +187,8 @@ def scan_chunk(texts: list[str]) -> tuple:
     sizes = np.zeros(n, np.uint64)
     sizes[kept] = [len(t) for t in token_lists]
     chars = np.array([len(t) for t in texts], np.uint64)
-    return status, nfc, chars, sizes, digest, sig, join_documents(token_lists, tok.eot, dtype)
+    tokens = join_documents(token_lists, tok.eot, dtype)
+    return status, nfc, chars, sizes, digest, sig, tokens, time.process_time() - cpu
 
 
 def join_documents(token_lists: list[np.ndarray], eot: int, dtype: np.dtype) -> np.ndarray:
@@ -198,35 +202,42 @@ def cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def _pool_context():
-    """forkserver: workers fork from a small clean process (never from this one, whose threads a fork
-    could deadlock), which imports the main script and this module once for all of them."""
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return multiprocessing.get_context("spawn")  # Windows
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["__main__", "data"])
-    return context
+def _pool(workers: int, cfg: DataConfig) -> ProcessPoolExecutor:
+    """Worker processes. On Linux they are forked: they run only numpy, hashlib and tiktoken code, which
+    are safe in a forked child (as PyTorch's DataLoader workers are), they share this process's loaded
+    modules copy-on-write, and nothing re-imports the main script (so prepare() also works from a
+    notebook, a heredoc or a script without `if __name__ == "__main__":`). Elsewhere: spawn."""
+    method = "fork" if sys.platform.startswith("linux") else "spawn"
+    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method),
+                               initializer=_init_worker, initargs=(cfg,))
 
 
-def _in_order(chunks, cfg: DataConfig, workers: int):
+def _in_order(chunks, cfg: DataConfig, workers: int, inline: list):
     """(result, chunk) for each chunk, in order, computed by `workers` processes with at most two chunks
-    each in flight (bounded memory); in this process when there is one worker or one chunk."""
+    each in flight (bounded memory); in this process (inline[0] = True) when there is one worker or one
+    chunk."""
     chunks = iter(chunks)
     head = list(itertools.islice(chunks, 2))
     if workers == 1 or len(head) < 2:
+        inline[0] = True
         _init_worker(cfg)
         yield from ((scan_chunk(c[0]), c) for c in itertools.chain(head, chunks))
         return
-    with _pool_context().Pool(workers, _init_worker, (cfg,)) as pool:
-        pending = deque()
-        for chunk in itertools.chain(head, chunks):
-            pending.append((pool.apply_async(scan_chunk, (chunk[0],)), chunk))
-            if len(pending) >= 2 * workers:
-                result, chunk = pending.popleft()
-                yield result.get(), chunk
-        while pending:
-            result, chunk = pending.popleft()
-            yield result.get(), chunk
+    pool, pending = _pool(workers, cfg), deque()
+    try:
+        with warnings.catch_warnings():  # Python >= 3.12 warns about any fork of a process with threads
+            warnings.filterwarnings("ignore", r".*use of fork\(\) may lead to deadlocks", DeprecationWarning)
+            pending.append((pool.submit(scan_chunk, head[0][0]), head[0]))  # the workers are forked here
+        for chunk in itertools.chain(head[1:], chunks, [None] * 2 * workers):  # then drain what is in flight
+            if chunk is not None:
+                pending.append((pool.submit(scan_chunk, chunk[0]), chunk))
+            if pending and (len(pending) >= 2 * workers or chunk is None):
+                future, done = pending.popleft()
+                yield future.result(), done
+    except BrokenProcessPool:
+        raise DataError("a worker process died (out of memory?); try fewer --workers") from None
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _chunks(docs, reader: sources.Reader):
@@ -290,21 +301,22 @@ class Work:
         return mapped("docs.bin", RECORD), mapped("sig.bin", np.uint32, (dedup.NUM_PERM,)), mapped("tokens.bin", dtype)
 
 
-def scan(reader: sources.Reader, cfg: DataConfig, work: Work, workers: int, verbose: bool) -> int:
+def scan(reader: sources.Reader, cfg: DataConfig, work: Work, workers: int, verbose: bool) -> dict:
     """Pass 1: every document through the workers, results appended to `work`, resuming after its last
-    finished part. Returns the characters scanned by this run."""
-    done, chars, chunks_in_part = work.docs, 0, 0
+    finished part. Returns what this run scanned: characters, and the CPU-seconds workers spent on them."""
+    done, chars, chunks_in_part, cpu, inline = work.docs, 0, 0, 0.0, [False]
     docs = itertools.islice(iter(reader), done, None)  # a resumed run reads past what is done
     with tqdm(total=reader.total, desc="prepare", unit="B", unit_scale=True, disable=not verbose,
               file=sys.stderr) as bar:
-        for (status, nfc, lengths, ntok, digest, sig, tokens), (texts, names, position) in \
-                _in_order(_chunks(docs, reader), cfg, workers):
+        for (status, nfc, lengths, ntok, digest, sig, tokens, seconds), (texts, names, position) in \
+                _in_order(_chunks(docs, reader), cfg, workers, inline):
             records = np.zeros(len(texts), RECORD)
             records["status"], records["nfc"], records["chars"], records["tokens"] = status, nfc, lengths, ntok
             records["digest"], records["file"] = digest, [f for f, _ in names]
             records["number"] = [k for _, k in names]
             work.append(records, sig, tokens)
             done, chars, chunks_in_part = done + len(texts), chars + int(lengths.sum()), chunks_in_part + 1
+            cpu += seconds
             if chunks_in_part == CHUNKS_PER_PART:
                 work.finish_part(done)
                 chunks_in_part = 0
@@ -312,7 +324,7 @@ def scan(reader: sources.Reader, cfg: DataConfig, work: Work, workers: int, verb
         bar.update(reader.total - bar.n)
     if chunks_in_part or not work.parts:
         work.finish_part(done)
-    return chars
+    return {"chars": chars, "cpu_workers": cpu, "inline": inline[0]}
 
 
 # ---------------------------------------------------------------------------------------------- dedup, split (pass 2)
@@ -462,7 +474,7 @@ def prepare(cfg: DataConfig, verbose: bool = True, force: bool = False) -> Path:
     resumed = f", resuming after {work.docs:,} documents" if work.docs else ""
     say(f"data: preparing {cfg.source} ({len(corpus.files)} files, {reader.total / 1e6:.1f} MB) with the "
         f"{tok.name} tokenizer on {workers} process{'es' if workers > 1 else ''}{resumed}")
-    start, seconds = time.perf_counter(), {}
+    start, cpu_start, seconds = time.perf_counter(), time.process_time(), {}
 
     def lap(stage: str) -> None:  # seconds since the previous lap
         seconds[stage] = time.perf_counter() - start - sum(seconds.values())
@@ -489,8 +501,11 @@ def prepare(cfg: DataConfig, verbose: bool = True, force: bool = False) -> Path:
     near["examples"] = [(reader.name(int(records["file"][k]), int(records["number"][k])),
                          reader.name(int(records["file"][r]), int(records["number"][r])), round(j, 4))
                         for k, r, j in near["examples"]]
+    main_cpu = time.process_time() - cpu_start - (scanned["cpu_workers"] if scanned["inline"] else 0)
     stats = {"files": len(corpus.files), "bytes": reader.bytes, "documents": len(records),
-             "chars": int(records["chars"].sum()), "scanned_chars": scanned, "workers": workers,
+             "chars": int(records["chars"].sum()), "scanned_chars": scanned["chars"],
+             "workers": 1 if scanned["inline"] else workers,  # a corpus of one chunk is scanned right here
+             "cpu_seconds": {"workers": scanned["cpu_workers"], "main": main_cpu},
              "removed": {k: int((status == v).sum()) for k, v in STATUS.items()} | {"not_utf8": reader.not_utf8},
              "nfc_changed": int(records["nfc"].sum()), "kept": int((status == KEPT).sum()), **split,
              "near_dup": near, "seconds": seconds}
