@@ -11,20 +11,20 @@ Tokenizers (GPT-2 BPE, bytes) are in tokenizer.py, sources and downloads in sour
 dedup.py. `python data.py --fetch-tokenizer` puts the GPT-2 file in the cache once, at setup.
 
 Streaming, on every core. Documents are read one at a time and sent to a pool of --workers processes
-in chunks of ~1M characters; results come back in order, so the output does not depend on the
-number of processes (the shards are bitwise the same for 1 or 16). At most two chunks per worker
-are in flight, so memory does not grow with the corpus. The results are appended to files in a work
-directory: per document a 46-byte record (status, size, blake2b digest), its 512-byte MinHash
-signature (the signature store, read back through np.memmap) and its tokens. Every 64 chunks a part is
-finished: its files are fsynced and manifest.json records their sizes. A run that is stopped (a
-crash, Ctrl-C, a preempted node) resumes after the last finished part; the files are cut back to it.
+(forked, on Linux) in chunks of ~1M characters. Results come back in order, and each depends only on
+its own documents, so the shards are bitwise the same for 1 process or 16. At most two chunks per
+worker are in flight, so memory does not grow with the corpus. The results are appended to files in
+a work directory: per document a 46-byte record (status, sizes, blake2b digest), its 512-byte MinHash
+signature (the signature store, read back through np.memmap) and its tokens. Every 64 chunks a part
+is finished: the files are fsynced, then manifest.json records their sizes. A run that is stopped (a
+crash, Ctrl-C, a preempted node) resumes after the last finished part, the files cut back to it.
 
 Cleaning. Duplicated text is memorized instead of learned, and leaks from train into val. A worker
 normalizes each document to NFC and drops binary, short and repetitive ones. Then the whole corpus
 is deduplicated: exact duplicates by sorting the digests (the first in corpus order is kept), near
 duplicates by MinHash-LSH over the signature store (dedup.py): a cluster of near copies keeps its
-earliest document. Only the signatures of the documents and a few integers per document are ever
-in memory together, never the text.
+earliest document. The main process never holds text, only ~60 bytes per document (records, band
+keys, masks); signatures and tokens are read from disk where they are needed.
 
 Split. Validation needs enough tokens for a steady loss: whole documents go to val in a seeded
 order until it holds --min-val-tokens (four default GPU evaluation batches), but at most a tenth
@@ -112,8 +112,8 @@ class DataConfig:
 
 
 FILTERS = ("not_utf8", "binary", "too_short", "repeated_lines", "exact_dup", "near_dup")
-STATUS = {name: code for code, name in enumerate(FILTERS)}  # a document's fate; 0 (not_utf8) is never stored
-KEPT = 0  # ...so 0 means kept (not_utf8 documents are never read)
+KEPT = 0  # a document's status: kept, or the filter that removed it (a file that is not UTF-8 has no record)
+STATUS = {name: code for code, name in enumerate(FILTERS[1:], start=1)}
 CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")  # control characters other than \t \n \r
 MAX_VAL_SHARE = 0.1  # --min-val-tokens takes at most this share of a small corpus
 CHUNK_CHARS = 1 << 20  # characters of text a worker gets at a time
@@ -171,14 +171,15 @@ def scan_chunk(texts: list[str]) -> tuple:
         text = unicodedata.normalize("NFC", raw)  # one spelling per character: é, not e+´
         nfc[i] = text != raw
         try:
-            text.encode()
+            encoded = text.encode()
         except UnicodeEncodeError:  # a lone surrogate (JSON can escape one): not a character of any text
             text = text.encode(errors="replace").decode()
+            encoded = text.encode()
         problem = quality_problem(text, cfg)
         if problem:
             status[i] = STATUS[problem]
             continue
-        digest[i] = np.frombuffer(hashlib.blake2b(text.encode(), digest_size=16).digest(), "<u8")
+        digest[i] = np.frombuffer(hashlib.blake2b(encoded, digest_size=16).digest(), "<u8")
         if cfg.dedup:
             sig[i] = dedup.signature(text)
         kept.append(i)
@@ -489,7 +490,7 @@ def prepare(cfg: DataConfig, verbose: bool = True, force: bool = False) -> Path:
     status, near = deduplicate(records, sig, cfg, work, verbose)
     lap("dedup")
     if not (status == KEPT).any():
-        removed = {k: int((status == v).sum()) for k, v in STATUS.items()} | {"not_utf8": reader.not_utf8}
+        removed = {"not_utf8": reader.not_utf8} | {k: int((status == v).sum()) for k, v in STATUS.items()}
         raise DataError(f"--data {cfg.source}: no documents left after cleaning (removed: {removed}); give "
                         f"more text, or relax the filters (python data.py --help)")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -506,7 +507,7 @@ def prepare(cfg: DataConfig, verbose: bool = True, force: bool = False) -> Path:
              "chars": int(records["chars"].sum()), "scanned_chars": scanned["chars"],
              "workers": 1 if scanned["inline"] else workers,  # a corpus of one chunk is scanned right here
              "cpu_seconds": {"workers": scanned["cpu_workers"], "main": main_cpu},
-             "removed": {k: int((status == v).sum()) for k, v in STATUS.items()} | {"not_utf8": reader.not_utf8},
+             "removed": {"not_utf8": reader.not_utf8} | {k: int((status == v).sum()) for k, v in STATUS.items()},
              "nfc_changed": int(records["nfc"].sum()), "kept": int((status == KEPT).sum()), **split,
              "near_dup": near, "seconds": seconds}
     meta = dict(format=FORMAT_VERSION, source=cfg.source, config=asdict(cfg), tokenizer=tok.identity(),

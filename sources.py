@@ -86,13 +86,12 @@ _TINYSTORIES_TRAIN = Remote(f"{_TINYSTORIES}/TinyStories-train.txt", 1_924_281_5
 NAMED: dict[str, list[Remote]] = {  # each URL pinned at a revision, with the size and sha256 of its file
     "tinystories-valid": [_TINYSTORIES_VALID],  # 19 MB, 22k short stories (Eldan & Li, 2023)
     "tinystories": [_TINYSTORIES_TRAIN, _TINYSTORIES_VALID],  # 1.9 GB, ~2.1M stories, ~470M GPT-2 tokens
-    "fineweb-edu": _FINEWEB_EDU_FILES[:1],  # educational web pages (FineWeb-Edu): 2.2 GB, ~1B GPT-2 tokens
+    "fineweb-edu": _FINEWEB_EDU_FILES[:1],  # educational web pages (FineWeb-Edu): 2.2 GB, ~0.75B GPT-2 tokens
     "fineweb-edu-10bt": _FINEWEB_EDU_FILES,  # the whole 10BT sample: enough for GPT-2 124M
 }
 SOURCE_HELP = (f"'stdlib' (Python's own .py files), 'shakespeare', a named corpus ({', '.join(NAMED)}), an "
                "http(s) URL of a .txt, .jsonl(.gz) or .parquet file (append #sha256=HEX to pin it), a text "
                "file, a directory (recursive), or a glob")
-RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")  # files of many documents, in any source
 DOC_CHARS = 4096  # a text file on its own is cut at a blank line once a document reaches this size
 RETRIES, BACKOFF_S, TIMEOUT_S = 3, 2.0, 60  # attempts without progress before a download gives up
 
@@ -147,30 +146,26 @@ def _record_pin(url: str, size: int, digest: str, cache_dir: str | Path) -> None
 def _verify(path: Path, remote: Remote, cache_dir: str | Path) -> None:
     """Check a downloaded file against its pin (or the first download's sha256), or delete it and say why."""
     stat, stamp = path.stat(), path.with_name(path.name + ".sha256")
-    pin, trusted = remote.sha256, False
-    if pin is None:
-        pin, trusted = _first_use_pin(remote.url, cache_dir), True
+    first_use = remote.sha256 is None
+    pin, problem = _first_use_pin(remote.url, cache_dir) if first_use else remote.sha256, None
     if remote.size is not None and stat.st_size != remote.size:
         problem = f"has {stat.st_size:,} bytes, not the pinned {remote.size:,}"
     else:
         known = json.loads(stamp.read_text()) if stamp.exists() else {}
-        if known.get("size") == stat.st_size and known.get("mtime_ns") == stat.st_mtime_ns:
-            digest = known["sha256"]  # verified before, and unchanged since: no need to read it again
-        else:
-            digest = _sha256_file(path)
-        if pin is None:  # trust on first use: remember what it was
-            _record_pin(remote.url, stat.st_size, digest, cache_dir)
-        elif digest != pin:
+        unchanged = known.get("size") == stat.st_size and known.get("mtime_ns") == stat.st_mtime_ns
+        digest = known["sha256"] if unchanged else _sha256_file(path)  # verified before: not read again
+        if pin is not None and digest != pin:
             whose = (f"the sha256 recorded at its first download in {_pins_file(cache_dir)} (remove its entry "
-                     f"there if it changed upstream on purpose)" if trusted else "its pinned sha256")
+                     f"there if it changed upstream on purpose)" if first_use else "its pinned sha256")
             problem = f"has sha256 {digest[:16]}..., not {pin[:16]}..., {whose}"
-        if pin is None or digest == pin:
-            stamp.write_text(json.dumps({"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": digest}))
-            return
-    path.unlink()
-    stamp.unlink(missing_ok=True)
-    raise DataError(f"{remote.url}: the download {problem}; corrupted or changed, so it was deleted: run again "
-                    f"to download it afresh")
+    if problem:
+        path.unlink()
+        stamp.unlink(missing_ok=True)
+        raise DataError(f"{remote.url}: the download {problem}; corrupted or changed, so it was deleted: run "
+                        f"again to download it afresh")
+    if pin is None:  # trust on first use: remember what it was
+        _record_pin(remote.url, stat.st_size, digest, cache_dir)
+    stamp.write_text(json.dumps({"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": digest}))
 
 
 class _Incomplete(OSError):

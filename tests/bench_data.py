@@ -23,6 +23,7 @@ per document (its records and masks), never text.
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -122,6 +123,7 @@ def main() -> None:
     if args.run:
         return run_one(args)
     import data
+    import tokenizer
     workers = [w or data.cores() for w in args.workers]
     print(f"data preparation of this Python's standard library repeated with variations, {args.tokenizer} "
           f"tokenizer, {data.cores()} cores")
@@ -129,6 +131,12 @@ def main() -> None:
           f"{'chars/CPU-s':>12} {'main CPU-s':>10} {'peak anon MB: main':>19} {'worker':>7} {'main RSS MB':>11}")
     rows = [(args.sizes[0], w) for w in workers] + [(k, workers[-1]) for k in args.sizes[1:]]
     with tempfile.TemporaryDirectory() as tmp:
+        if args.tokenizer == "gpt2":  # the prepared data goes to a scratch cache: the tokenizer file too
+            ranks = Path(data.DEFAULT_CACHE_DIR) / tokenizer.GPT2_FILE
+            if not ranks.exists():
+                sys.exit(f"error: {ranks} is missing: run python data.py --fetch-tokenizer first")
+            (Path(tmp) / "cache").mkdir()
+            shutil.copy(ranks, Path(tmp) / "cache" / tokenizer.GPT2_FILE)
         built = {}
         for k, w in rows:
             if k not in built:
@@ -140,7 +148,8 @@ def main() -> None:
             per_cpu, mb = r["chars"] / r["cpu_seconds"]["workers"] / 1e6, 1 / 2**20
             print(f"{k:>5}x {r['bytes'] / 1e6:7.1f} {r['documents']:7d} {r['workers']:5d} {r['wall']:7.1f} "
                   f"{per_worker:12.2f}M {per_cpu:11.2f}M "
-                  f"{r['cpu_seconds']['main']:10.1f} {r['peaks']['main'] * mb:19.0f} {r['peaks']['worker'] * mb:7.0f} "
+                  f"{r['cpu_seconds']['main']:10.1f} {r['peaks']['main'] * mb:19.0f} "
+                  f"{r['peaks']['worker'] * mb if r['workers'] > 1 else float('nan'):7.0f} "
                   f"{r['peaks']['hwm'] * mb:11.0f}", flush=True)
 
 

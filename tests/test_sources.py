@@ -244,6 +244,11 @@ def test_record_formats_and_their_errors(tmp_path, monkeypatch):
     with pytest.raises(data.DataError, match=r"bad\.txt is not UTF-8 text \(byte 0xff at offset 2000000\)"):
         docs_of(tmp_path / "bad.txt")
 
+    (tmp_path / "f.jsonl").write_text(json.dumps({"text": "a lone surrogate \ud800 " + "word " * 20}) + "\n")
+    assert docs_of(tmp_path / "f.jsonl") == ["a lone surrogate \ud800 " + "word " * 20]  # JSON can escape one...
+    prepared = data.prepare(byte_cfg(tmp_path, tmp_path / "f.jsonl"), verbose=False)
+    assert shard_docs(prepared) == ["a lone surrogate ? " + "word " * 20]  # ...which is no text: replaced
+
     monkeypatch.setitem(sys.modules, "pyarrow", None)  # as if pyarrow were not installed
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
     (tmp_path / "e.parquet").write_bytes(b"PAR1")
