@@ -123,10 +123,11 @@ def main() -> None:
     if args.run:
         return run_one(args)
     import data
+    import scan
     import tokenizer
-    workers = [w or data.cores() for w in args.workers]
+    workers = [w or scan.cores() for w in args.workers]
     print(f"data preparation of this Python's standard library repeated with variations, {args.tokenizer} "
-          f"tokenizer, {data.cores()} cores")
+          f"tokenizer, {scan.cores()} cores")
     print(f"{'corpus':>6} {'MB':>7} {'docs':>7} {'procs':>5} {'wall s':>7} {'scan chars/s':>13} "
           f"{'chars/CPU-s':>12} {'main CPU-s':>10} {'peak anon MB: main':>19} {'worker':>7} {'main RSS MB':>11}")
     rows = [(args.sizes[0], w) for w in workers] + [(k, workers[-1]) for k in args.sizes[1:]]

@@ -20,6 +20,7 @@ from conftest import ROOT
 
 import data
 import dedup
+import scan
 import sources
 import tokenizer
 
@@ -201,18 +202,18 @@ def test_preparation_resumes_after_its_last_finished_part(tmp_path, monkeypatch)
     corpus.mkdir()
     for i in range(60):
         (corpus / f"{i:02d}.txt").write_text(text(rng, 200))
-    monkeypatch.setattr(data, "CHUNK_CHARS", 5000)  # 5 documents (~1,200 chars each) a chunk,
-    monkeypatch.setattr(data, "CHUNKS_PER_PART", 3)  # 15 a part
+    monkeypatch.setattr(scan, "CHUNK_CHARS", 5000)  # 5 documents (~1,200 chars each) a chunk,
+    monkeypatch.setattr(scan, "CHUNKS_PER_PART", 3)  # 15 a part
     cfg = byte_cfg(tmp_path, corpus, workers=1)
     whole = data.prepare(byte_cfg(tmp_path / "whole", corpus, workers=2), verbose=False)
 
-    finish_part, parts = data.Work.finish_part, []
+    finish_part, parts = scan.Work.finish_part, []
     def crash_after_two(self, docs):
         finish_part(self, docs)
         parts.append(docs)
         if len(parts) == 2:
             raise KeyboardInterrupt  # a stop, right after the second part was made durable
-    monkeypatch.setattr(data.Work, "finish_part", crash_after_two)
+    monkeypatch.setattr(scan.Work, "finish_part", crash_after_two)
     with pytest.raises(KeyboardInterrupt):
         data.prepare(cfg, verbose=False)
     work = next((tmp_path / "cache").glob(".*.work"))
@@ -222,8 +223,8 @@ def test_preparation_resumes_after_its_last_finished_part(tmp_path, monkeypatch)
         f.write(b"half a record")  # what a crash mid-way through a part leaves behind: cut away on resume
 
     read = []
-    monkeypatch.setattr(data, "scan_chunk", lambda texts: read.append(len(texts)) or scan_chunk(texts))
-    monkeypatch.setattr(data.Work, "finish_part", finish_part)
+    monkeypatch.setattr(scan, "scan_chunk", lambda texts: read.append(len(texts)) or scan_chunk(texts))
+    monkeypatch.setattr(scan.Work, "finish_part", finish_part)
     prepared = data.prepare(cfg, verbose=False)
     assert sum(read) == 30  # only the documents after the last finished part
     assert [(prepared / f).read_bytes() for f in ("train.bin", "val.bin")] == \
@@ -231,7 +232,7 @@ def test_preparation_resumes_after_its_last_finished_part(tmp_path, monkeypatch)
     assert not work.exists()  # done: the work directory is gone
 
 
-scan_chunk = data.scan_chunk
+scan_chunk = scan.scan_chunk
 
 
 # ---------------------------------------------------------------------------------------------- the split

@@ -20,6 +20,7 @@ import pytest
 from conftest import metrics, run_train
 
 import data
+import scan
 import sources
 import tokenizer
 
@@ -196,7 +197,7 @@ def test_a_url_corpus_prepares_bitwise_alike_on_1_and_2_processes_and_trains(tmp
     body = jsonl_gz(stories(600, seed=1))
     server.files["/stories.jsonl.gz"] = body
     url = f"{server.url}/stories.jsonl.gz#sha256={sha(body)}"
-    monkeypatch.setattr(data, "CHUNK_CHARS", 8192)  # ~40 chunks, so the pool gets work
+    monkeypatch.setattr(scan, "CHUNK_CHARS", 8192)  # ~40 chunks, so the pool gets work
     shards = {}
     for workers in (1, 2):
         prepared = data.prepare(byte_cfg(tmp_path, url, cache=f"c{workers}", workers=workers), verbose=False)
