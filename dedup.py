@@ -1,7 +1,7 @@
 """Near-duplicate detection that scales: MinHash signatures, LSH buckets, and clusters with one survivor.
 
     document ──words──▶ 5-word shingles ──hash──▶ set of uint64 ──128 minima──▶ signature (512 bytes)
-    signatures ──16 bands of 8 rows──▶ buckets ──compare with the bucket's first──▶ union-find clusters
+    signatures ──16 bands of 8 rows──▶ buckets ──each member vs the 2 before it──▶ union-find clusters
     cluster ──keep its earliest document, drop the rest──▶ report: pairs and their estimated Jaccard
 
 MinHash (Broder, "On the resemblance and containment of documents", 1997). Two documents are
@@ -21,7 +21,7 @@ machine, and signatures computed by different workers can be compared: the step 
 LSH (locality-sensitive hashing; Leskovec, Rajaraman & Ullman, "Mining of Massive Datasets", ch. 3).
 Cut the signature into b = 16 bands of r = 8 rows. Two documents whose band k is equal share a
 bucket of band k; a pair with similarity s shares at least one bucket with probability
-1 - (1 - s^r)^b, an S-curve: 6% at s = 0.5, 61% at 0.7, 95% at 0.8, 99.96% at 0.9.
+1 - (1 - s^r)^b, an S-curve: 6% at s = 0.5, 61% at 0.7, 95% at 0.8, 99.99% at 0.9.
 
 Linear in a bucket's size. A bucket is found by sorting the band's 64-bit keys (no dictionary of
 all documents). Inside it, in an order shuffled differently in every band, each member is compared

@@ -54,6 +54,7 @@ RECORD = np.dtype([("status", "u1"), ("nfc", "u1"), ("file", "<u4"), ("number", 
                    ("tokens", "<u8"), ("digest", "<u8", (2,))])  # one per document read: 46 bytes
 
 
+# ---------------------------------------------------------------------------------------------- each document, alone
 
 def repeated_fraction(text: str) -> float:
     """The fraction of non-blank characters in lines that repeat an earlier line."""
@@ -130,6 +131,8 @@ def join_documents(token_lists: list[np.ndarray], eot: int, dtype: np.dtype) -> 
     return np.concatenate(parts, dtype=dtype) if parts else sep[:0]
 
 
+# ---------------------------------------------------------------------------------------------- every core, in order
+
 def cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
@@ -185,6 +188,8 @@ def _chunks(docs, reader: sources.Reader):
     if texts:
         yield texts, names, reader.position
 
+
+# ---------------------------------------------------------------------------------------------- resumable output
 
 class Work:
     """The resumable state of one preparation: per-document records, signatures and tokens, appended in
