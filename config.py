@@ -30,13 +30,13 @@ import tokenizer
 from cli import arg, at_least
 
 CACHE_DIR = str(data.DEFAULT_CACHE_DIR)  # (inside the class, `data` is the field)
+DATA_HELP = "corpus: " + data.SOURCE_HELP
 CRASH_AT = re.compile(r"(rank:\d+:)?(step|save):\d+")
 
 
 @dataclass
 class TrainConfig:
-    data: str = arg("stdlib", "corpus: 'stdlib' (Python's own library), 'shakespeare', or a file/dir/glob",
-                    group="data")
+    data: str = arg("stdlib", DATA_HELP, group="data")
     tokenizer: str = arg("gpt2", "tokenizer: 'gpt2' (BPE) or 'byte'", choices=["gpt2", "byte"])
     cache_dir: str = arg(CACHE_DIR, "where prepared token shards and the tokenizer live")
 

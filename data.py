@@ -1,38 +1,39 @@
-"""Data: text files in, token shards out, and batches that are the same on any number of GPUs.
+"""Data: a corpus in, token shards out, and batches that are the same on any number of GPUs.
 
-    files ──read──▶ documents ──clean──▶ kept documents ──tokenize──▶ [eot] doc [eot] doc ...
-    (stdlib, a file,  (one per file,     (NFC; drop binary, short,   (GPT-2 BPE via tiktoken,
-     a directory,      UTF-8 only)        repetitive; exact and      or raw bytes for tests)
-     a glob)                              near duplicates)
-          ──split by document──▶ train.bin, val.bin ──Loader──▶ (B, T+1) windows, step by step
-            (seeded; val sized     (header with sha256 +          (a seeded permutation per epoch,
-             in tokens)             uint16 tokens, cached under    fixed by the global batch)
-                                    a hash of all that made them)
+    source ──Reader──▶ documents ──chunks──▶ workers (one per core): NFC, quality filters, blake2b,
+    (sources.py:       (streamed,            MinHash signature, tokens       ──in order──▶ parts on disk
+     files, URLs)       in order)            (scan.py)                        (+ manifest: resumable)
+          ──▶ exact dups (sorted digests) ──▶ near dups (dedup.py: LSH + clusters) ──▶ split by document
+          ──▶ train.bin, val.bin (header with sha256 + uint16 tokens, cached under a hash of their inputs)
+          ──Loader──▶ (B, T+1) windows, step by step (a seeded permutation per epoch, fixed by the global batch)
 
-Tokenizers (GPT-2 BPE, bytes) are in tokenizer.py; `python data.py --fetch-tokenizer` puts the GPT-2
-file in the cache once, at setup, so that preparing data and training never need the network.
+Tokenizers (GPT-2 BPE, bytes) are in tokenizer.py, sources and downloads in sources.py, the parallel
+and resumable first pass in scan.py, MinHash-LSH in dedup.py. `python data.py --fetch-tokenizer` puts
+the GPT-2 file in the cache once, at setup.
 
-Cleaning. Duplicated text is memorized instead of learned, and leaks from train into val.
-Exact duplicates are found by hashing; near duplicates (a few words changed) by MinHash: the
-Jaccard similarity |A∩B|/|A∪B| of two documents' sets of 5-word shingles equals the chance that
-both sets have the same minimum under a random hash function. 128 functions give a signature,
-and the fraction of equal entries estimates the similarity. Locality-sensitive hashing (LSH)
-avoids comparing all pairs: cut the signature into b=16 bands of r=8 rows; documents equal in
-any band become candidates, with probability 1-(1-s^r)^b (6% at s=0.5, 95% at s=0.8), and each
-candidate pair is confirmed on the whole signature (>= near_dup_threshold, 0.8).
+Streaming, on every core (scan.py). Documents are read one at a time and sent to --workers processes
+in chunks of ~1M characters; results come back in order, and each depends only on its own documents,
+so the shards are bitwise the same for 1 process or 16. Per document, a 46-byte record (status,
+sizes, blake2b digest), its 512-byte MinHash signature (the signature store, read back through
+np.memmap) and its tokens are appended to a work directory, part by part; a stopped run resumes
+after its last finished part.
+
+Cleaning. Duplicated text is memorized instead of learned, and leaks from train into val. A worker
+normalizes each document to NFC and drops binary, short and repetitive ones. Then the whole corpus
+is deduplicated: exact duplicates by sorting the digests (the first in corpus order is kept), near
+duplicates by MinHash-LSH over the signature store (dedup.py): a cluster of near copies keeps its
+earliest document. The main process never holds text, only ~60 bytes per document (records, band
+keys, masks); signatures and tokens are read from disk where they are needed.
 
 Split. Validation needs enough tokens for a steady loss: whole documents go to val in a seeded
 order until it holds --min-val-tokens (four default GPU evaluation batches), but at most a tenth
-of all tokens, so a small corpus is not eaten, and at least --val-fraction of them. Token counts
-are known only after tokenizing, so the split comes after it.
+of all tokens, so a small corpus is not eaten, and at least --val-fraction of them.
 
 Shards. One flat array of tokens per split behind a 56-byte header (magic, version, bytes per
 token, count, sha256 of the tokens), checked on open, so a truncated, foreign or corrupted file
 (a single flipped token) fails loudly, and so does a token outside the tokenizer's vocabulary.
-The check reads the shard once per run: ~20 ms for 15M tokens (30 MB) from the page cache on a
-CPU with SHA instructions. A prepared directory is named by a hash of the source files (paths,
-sizes, mtimes), the tokenizer, the settings and FORMAT_VERSION, and appears atomically (written
-aside, then renamed).
+A prepared directory is named by a hash of the source files (paths, sizes, mtimes), the tokenizer,
+the settings and FORMAT_VERSION, and appears atomically (written aside, then renamed).
 
 Loader. Window i is tokens[i*T : i*T+T+1] (inputs and their next-token targets in one row).
 Each epoch visits every window once, in a permutation seeded by (seed, epoch). A step takes the
@@ -44,101 +45,32 @@ ints, all a checkpoint needs for an exact resume.
 import hashlib
 import json
 import os
-import re
 import shutil
 import struct
 import sys
-import sysconfig
 import tempfile
 import time
-import unicodedata
 from dataclasses import asdict, dataclass
-from glob import glob
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-from tqdm import tqdm
 
 import cli
+import dedup
+import scan
+import sources
 import tokenizer
+from sources import SOURCE_HELP
 from tokenizer import DEFAULT_CACHE_DIR, DataError  # data.DataError is the one error callers catch
 
-FORMAT_VERSION = 2  # bump when the same settings would now give different shards
+if TYPE_CHECKING:  # torch is imported where batches are made: preparation workers never load it
+    import torch
+
+FORMAT_VERSION = 3  # bump when the same settings would now give different shards (3: streaming, new dedup)
 
 
-# ---------------------------------------------------------------------------------------------- sources
-
-SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
-SOURCE_HELP = "'stdlib' (Python's own .py files), 'shakespeare', a text file, a directory (recursive), a glob"
-
-
-def shakespeare_file(cache_dir: str | Path) -> Path:
-    path = Path(cache_dir) / "shakespeare.txt"
-    if not path.exists():
-        print(f"data: downloading {SHAKESPEARE_URL}", file=sys.stderr)
-        try:
-            tokenizer.write_atomic(path, tokenizer.download(SHAKESPEARE_URL))
-        except Exception as e:
-            raise DataError(f"could not download Tiny Shakespeare ({e}). Fetch {SHAKESPEARE_URL} "
-                            f"elsewhere and place it at {path}, or pass any text file with --data") from None
-    return path
-
-
-def find_files(source: str, cache_dir: str | Path) -> list[Path]:
-    """The files a source names, sorted (the order decides which of two duplicates is kept)."""
-    if source == "stdlib":  # the standard library that ships with this Python, not installed packages
-        files = []
-        for folder, subfolders, names in os.walk(sysconfig.get_paths()["stdlib"]):
-            subfolders[:] = [s for s in subfolders if s not in ("site-packages", "dist-packages")]
-            files += [Path(folder, n) for n in names if n.endswith(".py")]
-    elif source == "shakespeare":
-        files = [shakespeare_file(cache_dir)]
-    elif any(c in source for c in "*?["):
-        files = [Path(p) for p in glob(os.path.expanduser(source), recursive=True)]
-    else:
-        path = Path(source).expanduser()
-        if not path.exists():
-            raise DataError(f"--data {source}: no such file or directory (expected {SOURCE_HELP})")
-        hidden = lambda p: any(s.startswith(".") for s in p.relative_to(path).parts)  # .git and the like
-        files = [p for p in path.rglob("*") if not hidden(p)] if path.is_dir() else [path]
-    files = sorted(p for p in files if p.is_file())
-    if not files:
-        raise DataError(f"--data {source}: no files there (expected {SOURCE_HELP})")
-    return files
-
-
-def split_long_text(text: str, chars: int = 4096) -> list[str]:
-    """Cut a text into documents of about `chars` characters at blank lines. A corpus that is one
-    file (Tiny Shakespeare) would otherwise be one document: nothing to dedup, nothing for val."""
-    docs, part, size = [], [], 0
-    for paragraph in text.split("\n\n"):
-        part.append(paragraph)
-        size += len(paragraph) + 2
-        if size >= chars:
-            docs.append("\n\n".join(part))
-            part, size = [], 0
-    return docs + ["\n\n".join(part)] if part else docs
-
-
-def read_documents(files: list[Path], explicit_file: bool, stats: dict) -> list[str]:
-    """One document per file. A file that is not UTF-8 is skipped and counted, unless it was named
-    on its own: then it is surely a mistake, and an error."""
-    docs = []
-    for path in files:
-        raw = path.read_bytes()
-        stats["bytes"] += len(raw)
-        try:
-            docs.append(raw.decode("utf-8-sig"))  # -sig: drop a byte-order mark
-        except UnicodeDecodeError as e:
-            if explicit_file:
-                raise DataError(f"{path} is not UTF-8 text (byte {raw[e.start]:#x} at offset {e.start}): "
-                                f"convert it (e.g. iconv -t utf-8) or pass another file") from None
-            stats["removed"]["not_utf8"] += 1
-    return split_long_text(docs[0]) if len(files) == 1 and docs else docs
-
-
-# ---------------------------------------------------------------------------------------------- cleaning
+# ---------------------------------------------------------------------------------------------- settings
 
 FRACTION = (lambda v: 0 <= v <= 1, "must be in [0, 1]")  # a check for cli.arg: (test, what it must be)
 
@@ -149,7 +81,8 @@ class DataConfig:
     source: str = cli.arg("stdlib", SOURCE_HELP, flag="--data")
     tokenizer: str = cli.arg("gpt2", "gpt2 (GPT-2 BPE through tiktoken) or byte (one token per byte)",
                              choices=["gpt2", "byte"])
-    cache_dir: str = cli.arg(str(DEFAULT_CACHE_DIR), "where the tokenizer file and the prepared shards live")
+    cache_dir: str = cli.arg(str(DEFAULT_CACHE_DIR), "where downloads, the tokenizer file and the prepared "
+                             "shards live")
     val_fraction: float = cli.arg(0.01, "hold out at least this fraction of the tokens for validation "
                                   "(whole documents)", (lambda v: 0 <= v < 1, "must be in [0, 1)"))
     min_val_tokens: int = cli.arg(4 * 64 * 1024 + 1, "hold out documents for validation until they have this "
@@ -157,135 +90,54 @@ class DataConfig:
                                   "64 x 1024)", cli.at_least(0))  # four evaluation batches, the GPU default
     seed: int = cli.arg(1234, "seed of the train/val split")
     dedup: bool = cli.arg(True, "remove exact and near duplicates")
-    near_dup_threshold: float = cli.arg(0.8, "drop a document whose MinHash-estimated Jaccard similarity "
-                                        "(sets of 5-word shingles) to an earlier one is at least this", FRACTION)
+    near_dup_threshold: float = cli.arg(0.8, "near duplicates: documents whose MinHash-estimated Jaccard "
+                                        "similarity (sets of 5-word shingles) is at least this form a cluster, "
+                                        "which keeps only its earliest document", FRACTION)
     min_chars: int = cli.arg(64, "drop documents shorter than this (whitespace stripped)", cli.at_least(0))
     max_repeated: float = cli.arg(0.6, "drop documents with more than this fraction of their characters in "
                                   "lines that repeat an earlier line", FRACTION)
     max_control: float = cli.arg(0.1, "drop documents with more than this fraction of control characters "
                                  "(binary)", FRACTION)
+    workers: int = cli.arg(0, "processes that prepare the data (0: every core this process may use); the "
+                           "shards are the same for any number", cli.at_least(0))
 
 
-FILTERS = ("not_utf8", "binary", "too_short", "repeated_lines", "exact_dup", "near_dup")
-CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")  # control characters other than \t \n \r
 MAX_VAL_SHARE = 0.1  # --min-val-tokens takes at most this share of a small corpus
-SHINGLE, NUM_PERM, BANDS = 5, 128, 16  # 5-word shingles; 128 hash functions = 16 bands x 8 rows
 
 
-def repeated_fraction(text: str) -> float:
-    """The fraction of non-blank characters in lines that repeat an earlier line."""
-    seen, repeated, total = set(), 0, 0
-    for line in text.splitlines():
-        if line.strip():
-            total += len(line)
-            repeated += len(line) if line in seen else 0
-            seen.add(line)
-    return repeated / max(total, 1)
+# ---------------------------------------------------------------------------------------------- dedup, split (pass 2)
 
-
-def quality_problem(text: str, cfg: DataConfig) -> str | None:
-    """The name of the first quality filter a document fails, or None."""
-    if len(CONTROL.findall(text)) > cfg.max_control * len(text):
-        return "binary"
-    if len(text.strip()) < cfg.min_chars:
-        return "too_short"
-    if repeated_fraction(text) > cfg.max_repeated:
-        return "repeated_lines"
-    return None
-
-
-def _mix64(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finalizer: scrambles uint64s so that nearby inputs give unrelated outputs."""
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
-
-
-def shingle_hashes(text: str, word_ids: dict[str, int]) -> np.ndarray:
-    """Hashes of the set of a document's overlapping 5-word windows. Words are split at whitespace
-    and numbered in word_ids, shared by all documents (Python's hash() changes from run to run)."""
-    ids = np.fromiter((word_ids.setdefault(w, len(word_ids)) for w in text.split()), dtype=np.uint64)
-    ids = np.pad(ids, (0, max(0, SHINGLE - len(ids))))  # a very short document is one shingle
-    n = len(ids) - SHINGLE + 1
-    h = np.zeros(n, dtype=np.uint64)
-    for k in range(SHINGLE):  # h = mix(...mix(mix(w0) ^ w1)... ^ w4): word order matters
-        h = _mix64(h ^ ids[k:k + n])
-    return np.unique(h)
-
-
-def minhash_signatures(docs: list[str], verbose: bool = False) -> np.ndarray:
-    """(n_docs, NUM_PERM) uint64: for each hash function a*h+b (mod 2^64; a odd, so it permutes all
-    uint64s) the minimum over the document's shingles."""
-    rng = np.random.default_rng(0)  # fixed: the same text always gets the same signature
-    a = rng.integers(0, 2**63, NUM_PERM, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
-    b = rng.integers(0, 2**63, NUM_PERM, dtype=np.uint64)
-    sig = np.full((len(docs), NUM_PERM), np.iinfo(np.uint64).max, dtype=np.uint64)
-    word_ids: dict[str, int] = {}
-    for i, text in enumerate(tqdm(docs, desc="minhash", unit="doc", disable=not verbose, file=sys.stderr)):
-        h = shingle_hashes(text, word_ids)
-        for s in range(0, len(h), 4096):  # chunks keep the (NUM_PERM, chunk) product small
-            sig[i] = np.minimum(sig[i], (a[:, None] * h[None, s:s + 4096] + b[:, None]).min(axis=1))
-    return sig
-
-
-def near_duplicates(sig: np.ndarray, threshold: float) -> set[int]:
-    """The documents to drop: each is >= threshold similar to an earlier document that is kept."""
-    rows = sig.shape[1] // BANDS
-    candidates = set()
-    for band in range(BANDS):  # LSH: documents with an equal band of their signature share a bucket
-        buckets: dict[bytes, list[int]] = {}
-        for i, key in enumerate(sig[:, band * rows:(band + 1) * rows]):
-            buckets.setdefault(key.tobytes(), []).append(i)
-        candidates |= {(i, j) for docs in buckets.values() for i in docs for j in docs if i < j}
-    drop: set[int] = set()
-    for i, j in sorted(candidates, key=lambda pair: pair[::-1]):  # by j, so whether i is kept is settled
-        if i not in drop and j not in drop and np.mean(sig[i] == sig[j]) >= threshold:
-            drop.add(j)
-    return drop
-
-
-def clean(docs: list[str], cfg: DataConfig, stats: dict, verbose: bool = False) -> list[str]:
-    """Normalize, filter and deduplicate; what each filter removed is counted in stats["removed"]."""
-    normalized = [unicodedata.normalize("NFC", d) for d in docs]  # one spelling per character: é, not e+´
-    stats["nfc_changed"] = sum(n != d for n, d in zip(normalized, docs, strict=True))
-    kept, seen = [], set()
-    for text in normalized:
-        problem = quality_problem(text, cfg)
-        digest = hashlib.blake2b(text.encode(), digest_size=16).digest()
-        if problem is None and cfg.dedup and digest in seen:
-            problem = "exact_dup"
-        if problem:
-            stats["removed"][problem] += 1
-        else:
-            seen.add(digest)
-            kept.append(text)
-    if cfg.dedup and len(kept) > 1:
-        drop = near_duplicates(minhash_signatures(kept, verbose), cfg.near_dup_threshold)
-        stats["removed"]["near_dup"] += len(drop)
-        kept = [d for i, d in enumerate(kept) if i not in drop]
-    return kept
+def exact_duplicates(digest: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """The documents among `ids` whose digest equals an earlier one's (sorted, so no table of all digests)."""
+    d = np.asarray(digest[ids])
+    order = np.lexsort((d[:, 1], d[:, 0]))  # stable: equal digests stay in corpus order
+    same = np.all(d[order][1:] == d[order][:-1], axis=1)  # equal to the one before it
+    return np.sort(ids[order[1:][same]])
 
 
 def split_documents(sizes: list[int], val_fraction: float, min_val_tokens: int,
                     seed: int) -> tuple[list[int], list[int]]:
-    """Train and val document indices, each sorted, given each document's size in tokens.
+    """Train and val document indices, each sorted, given each document's size in tokens (see val_mask)."""
+    val = val_mask(np.asarray(sizes, dtype=np.int64), val_fraction, min_val_tokens, seed)
+    return np.flatnonzero(~val).tolist(), np.flatnonzero(val).tolist()
 
-    Split by document, not by token, so no document straddles the two. Documents join val in a seeded
-    order until it holds min_val_tokens, but never past MAX_VAL_SHARE of all tokens (a document that
-    would overshoot it is passed over), and never fewer tokens than val_fraction of them. At least
-    one document goes to val when there are two, and never all."""
-    total = sum(sizes)
+
+def val_mask(sizes: np.ndarray, val_fraction: float, min_val_tokens: int, seed: int) -> np.ndarray:
+    """Which documents go to val. Split by document, not by token, so no document straddles the two.
+    Documents join val in a seeded order until it holds min_val_tokens, but never past MAX_VAL_SHARE of
+    all tokens (a document that would overshoot it is passed over), and never fewer tokens than
+    val_fraction of them. At least one document goes to val when there are two, and never all."""
+    n, total = len(sizes), int(sizes.sum())
     floor = val_fraction * total  # val holds at least this...
     cap = max(floor, MAX_VAL_SHARE * total)  # ...and, where whole documents allow, at most this
     want = max(floor, min(min_val_tokens, cap))
-    val, got = [], 0
-    for i in np.random.default_rng(seed).permutation(len(sizes)).tolist():
-        if got >= want or len(val) == len(sizes) - 1:
+    val, got, count = np.zeros(n, dtype=bool), 0, 0
+    for i in np.random.default_rng(seed).permutation(n):  # stops early: val is a small part
+        if got >= want or count == n - 1:
             break
-        if not val or got < floor or got + sizes[i] <= cap:  # below the floor, any document will do
-            val.append(i)
-            got += sizes[i]
-    return sorted(set(range(len(sizes))) - set(val)), sorted(val)
+        if not count or got < floor or got + sizes[i] <= cap:  # below the floor, any document will do
+            val[i], got, count = True, got + int(sizes[i]), count + 1
+    return val
 
 
 # ---------------------------------------------------------------------------------------------- shards
@@ -295,14 +147,183 @@ HEADER = struct.Struct("<8sIIQ32s")  # magic, version, bytes per token, token co
 CHECK_TOKENS = 1 << 20  # tokens hashed and range-checked at a time: a chunk stays in the CPU cache for both
 
 
-def write_tokens(path: str | Path, tokens: np.ndarray) -> None:
-    body = np.ascontiguousarray(tokens)
-    with open(path, "wb") as f:
-        f.write(HEADER.pack(MAGIC, SHARD_VERSION, body.itemsize, len(body), hashlib.sha256(body).digest()))
-        f.write(body)  # its raw bytes, no copy
-        f.flush()
-        os.fsync(f.fileno())
+class ShardWriter:
+    """A shard written piece by piece: the header (count, sha256 of all tokens) is filled in at the end."""
 
+    def __init__(self, path: str | Path, dtype: np.dtype):
+        self.file, self.dtype, self.sha, self.count = open(path, "wb"), np.dtype(dtype), hashlib.sha256(), 0
+        self.file.write(bytes(HEADER.size))
+
+    def add(self, tokens: np.ndarray) -> None:
+        for start in range(0, len(tokens), CHECK_TOKENS * 16):  # a memmap is read a slice at a time
+            body = np.ascontiguousarray(tokens[start:start + CHECK_TOKENS * 16], dtype=self.dtype)
+            self.sha.update(body)
+            self.file.write(body)  # its raw bytes, no copy
+            self.count += len(body)
+
+    def close(self) -> None:
+        self.file.seek(0)
+        self.file.write(HEADER.pack(MAGIC, SHARD_VERSION, self.dtype.itemsize, self.count, self.sha.digest()))
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+
+
+def write_tokens(path: str | Path, tokens: np.ndarray) -> None:
+    writer = ShardWriter(path, tokens.dtype)
+    writer.add(tokens)
+    writer.close()
+
+
+def cache_key(cfg: DataConfig, files: list[Path], tok: tokenizer.Tokenizer) -> str:
+    """A hash of everything the prepared shards depend on: change any of it and they are rebuilt
+    (not --workers: any number of processes writes the same shards)."""
+    settings = {k: v for k, v in asdict(cfg).items() if k not in ("cache_dir", "tokenizer", "workers")}
+    source = [(str(p.resolve()), st.st_size, st.st_mtime_ns) for p in files for st in [p.stat()]]
+    blob = json.dumps([FORMAT_VERSION, tok.identity(), settings, source], sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def publish(tmp: Path, out: Path) -> None:
+    """Rename a finished temporary directory to `out`: readers see all of it or nothing."""
+    if out.exists():  # another process finished first (keep its copy), or a stale dir without meta.json
+        shutil.rmtree(tmp if (out / "meta.json").exists() else out)
+    if tmp.exists():
+        os.replace(tmp, out)
+
+
+def deduplicate(records: np.ndarray, sig: np.ndarray, cfg: DataConfig, work: scan.Work, verbose: bool) -> tuple:
+    """Each document's final status (KEPT, a filter, exact_dup or near_dup) and the near-duplicate summary."""
+    status = np.array(records["status"])
+    summary = {"clusters": 0, "removed": 0, "largest": 0, "examples": []}
+    if not cfg.dedup:
+        return status, summary
+    status[exact_duplicates(records["digest"], np.flatnonzero(status == scan.KEPT))] = scan.STATUS["exact_dup"]
+    ids, keys = np.flatnonzero(status == scan.KEPT), None
+    if len(ids):  # the band keys on disk too: 128 bytes per document
+        keys = np.memmap(work.path / "keys.bin", np.uint64, "w+", shape=(dedup.BANDS, len(ids)))
+        dedup.band_key_table(sig, ids, out=keys)
+    clusters = dedup.cluster(sig, cfg.near_dup_threshold, ids=ids, keys=keys, verbose=verbose)
+    status[clusters.drop] = scan.STATUS["near_dup"]
+    return status, clusters.summary(sig)
+
+
+def write_splits(out: Path, records: np.ndarray, status: np.ndarray, tokens: np.ndarray,
+                 cfg: DataConfig, dtype: np.dtype) -> dict:
+    """Pass 2's last step: the kept documents' tokens, copied run by run from the work file into the shards."""
+    has_tokens = np.flatnonzero(records["status"] == scan.KEPT)  # the documents with tokens in the work file
+    lengths = np.asarray(records["tokens"][has_tokens], dtype=np.int64) + 1  # + the <|endoftext|> before each
+    offsets = np.r_[0, np.cumsum(lengths)]
+    kept = status[has_tokens] == scan.KEPT
+    val = val_mask(lengths[kept], cfg.val_fraction, cfg.min_val_tokens, cfg.seed)
+    dest = np.zeros(len(has_tokens), np.uint8)  # 0: dropped, 1: train, 2: val
+    dest[np.flatnonzero(kept)] = np.where(val, 2, 1)
+    writers = {1: ShardWriter(out / "train.bin", dtype), 2: ShardWriter(out / "val.bin", dtype)}
+    starts = np.r_[0, np.flatnonzero(np.diff(dest)) + 1] if len(dest) else np.zeros(0, np.int64)
+    for start, end in zip(starts.tolist(), np.r_[starts[1:], len(dest)].tolist()):
+        if dest[start]:  # a run of consecutive documents bound for the same shard: one slice
+            writers[int(dest[start])].add(tokens[offsets[start]:offsets[end]])
+    for writer in writers.values():
+        writer.close()
+    return dict(train_docs=int((~val).sum()), val_docs=int(val.sum()), train_tokens=writers[1].count,
+                val_tokens=writers[2].count)
+
+
+def prepare(cfg: DataConfig, verbose: bool = True, force: bool = False) -> Path:
+    """Read, clean, deduplicate, tokenize, split and write a source once; later calls return the cached
+    directory. A stopped preparation resumes where it stopped (see Work)."""
+    if not 0 <= cfg.val_fraction < 1 or cfg.min_val_tokens < 0 or cfg.workers < 0:
+        raise DataError(f"--val-fraction {cfg.val_fraction} must be in [0, 1), --min-val-tokens "
+                        f"{cfg.min_val_tokens} at least 0 and --workers {cfg.workers} at least 0")
+    say = print if verbose else lambda *a, **k: None
+    tok = tokenizer.get_tokenizer(cfg.tokenizer, cfg.cache_dir)
+    corpus = sources.resolve(cfg.source, cfg.cache_dir, verbose)
+    key = cache_key(cfg, corpus.files, tok)
+    out = Path(cfg.cache_dir) / f"{corpus.label}-{tok.name}-{key}"
+    work_dir = out.parent / f".{out.name}.work"
+    if force:
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.rmtree(work_dir, ignore_errors=True)
+    if (out / "meta.json").exists():
+        say(f"data: using prepared {out}")
+        return out
+
+    workers, reader, work = cfg.workers or scan.cores(), sources.Reader(corpus), scan.Work(work_dir, key)
+    resumed = f", resuming after {work.docs:,} documents" if work.docs else ""
+    say(f"data: preparing {cfg.source} ({len(corpus.files)} files, {reader.total / 1e6:.1f} MB) with the "
+        f"{tok.name} tokenizer on {workers} process{'es' if workers > 1 else ''}{resumed}")
+    start, cpu_start, seconds = time.perf_counter(), time.process_time(), {}
+
+    def lap(stage: str) -> None:  # seconds since the previous lap
+        seconds[stage] = time.perf_counter() - start - sum(seconds.values())
+
+    try:
+        scanned = scan.scan(reader, cfg, work, workers, verbose)
+    finally:
+        work.close()
+    lap("scan")
+    dtype = scan.token_dtype(tok)
+    records, sig, tokens = work.arrays(dtype)
+    status, near = deduplicate(records, sig, cfg, work, verbose)
+    lap("dedup")
+    removed = {"not_utf8": reader.not_utf8} | {k: int((status == v).sum()) for k, v in scan.STATUS.items()}
+    if not (status == scan.KEPT).any():
+        raise DataError(f"--data {cfg.source}: no documents left after cleaning (removed: {removed}); give "
+                        f"more text, or relax the filters (python data.py --help)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    tmp.chmod(0o755)  # mkdtemp makes it private; shards are no secret
+    split = write_splits(tmp, records, status, tokens, cfg, dtype)
+    lap("write")
+    seconds["total"] = time.perf_counter() - start
+    near["examples"] = [(reader.name(int(records["file"][k]), int(records["number"][k])),
+                         reader.name(int(records["file"][r]), int(records["number"][r])), round(j, 4))
+                        for k, r, j in near["examples"]]
+    main_cpu = time.process_time() - cpu_start - (scanned["cpu_workers"] if scanned["inline"] else 0)
+    stats = {"files": len(corpus.files), "bytes": reader.bytes, "documents": len(records),
+             "chars": int(records["chars"].sum()), "scanned_chars": scanned["chars"],
+             "workers": 1 if scanned["inline"] else workers,  # a corpus of one chunk is scanned right here
+             "cpu_seconds": {"workers": scanned["cpu_workers"], "main": main_cpu},
+             "removed": removed, "nfc_changed": int(records["nfc"].sum()), "kept": int((status == scan.KEPT).sum()),
+             **split, "near_dup": near, "seconds": seconds}
+    meta = dict(format=FORMAT_VERSION, source=cfg.source, config=asdict(cfg), tokenizer=tok.identity(),
+                vocab_size=tok.vocab_size, eot=tok.eot, dtype=dtype.name, stats=stats)
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))  # written last: marks the directory complete
+    publish(tmp, out)
+    del records, sig, tokens  # unmap before deleting the files
+    shutil.rmtree(work_dir, ignore_errors=True)
+    say(f"data: kept {stats['kept']:,} of {stats['documents']:,} documents: {stats['train_tokens']:,} train "
+        f"and {stats['val_tokens']:,} val tokens in {seconds['total']:.1f} s -> {out}")
+    return out
+
+
+def prepared_summary(meta: dict) -> str:
+    """What prepare kept and removed, as a small table, with examples of the near duplicates it removed."""
+    s, sec, cfg = meta["stats"], meta["stats"]["seconds"], meta["config"]
+    why = dict(not_utf8="not UTF-8 (skipped)", binary=f"binary (> {cfg['max_control']:.0%} control chars)",
+               too_short=f"too short (< {cfg['min_chars']} chars)", exact_dup="exact duplicates",
+               repeated_lines=f"repeated lines (> {cfg['max_repeated']:.0%} of the chars)",
+               near_dup=f"near duplicates (Jaccard >= {cfg['near_dup_threshold']})")
+    tokens, near = s["train_tokens"] + s["val_tokens"], s["near_dup"]
+    examples = [f"  removed {removed}  J~{j:.2f} to the kept {kept}" for kept, removed, j in near["examples"]]
+    clusters = [f"clusters   {near['clusters']:6d}  near-duplicate clusters (largest: {near['largest']} documents), "
+                f"each keeps its earliest document{':' if examples else ''}", *examples]
+    return "\n".join([
+        f"source     {meta['source']}: {s['files']:,} files, {s['bytes'] / 1e6:.1f} MB, {s['documents']:,} docs",
+        f"tokenizer  {meta['tokenizer']} (vocab {meta['vocab_size']}, eot {meta['eot']}, {meta['dtype']})",
+        *[f"removed    {s['removed'][k]:6d}  {why[k]}" for k in scan.FILTERS],
+        *(clusters if cfg["dedup"] else []),
+        f"NFC        {s['nfc_changed']:6d}  documents changed by Unicode normalization",
+        f"kept       {s['kept']:6d}  documents: {s['train_docs']} train, {s['val_docs']} val",
+        f"tokens     {s['train_tokens']:,} train, {s['val_tokens']:,} val "
+        f"({s['val_tokens'] / max(tokens, 1):.1%} of all)",
+        f"time       {sec['total']:.2f} s = scan {sec['scan']:.2f} s + dedup {sec['dedup']:.2f} s + write "
+        f"{sec['write']:.2f} s, on {s['workers']} process{'es' if s['workers'] > 1 else ''}",
+        f"speed      {s['bytes'] / 1e6 / sec['total']:.1f} MB/s overall; the scan "
+        f"{s['scanned_chars'] / max(sec['scan'], 1e-6) / s['workers'] / 1e6:.2f}M chars/s per process"])
+
+
+# ---------------------------------------------------------------------------------------------- reading shards
 
 def _read_header(path: Path, redo: str) -> tuple[int, int, bytes]:
     """(bytes per token, token count, sha256) from a shard's header, after checking it against the file."""
@@ -360,117 +381,6 @@ def load_tokens(path: str | Path, vocab_size: int | None = None) -> np.ndarray:
     return tokens
 
 
-def cache_key(cfg: DataConfig, files: list[Path], tok: tokenizer.Tokenizer) -> str:
-    """A hash of everything the prepared shards depend on: change any of it and they are rebuilt."""
-    settings = {k: v for k, v in asdict(cfg).items() if k not in ("cache_dir", "tokenizer")}
-    source = [(str(p.resolve()), st.st_size, st.st_mtime_ns) for p in files for st in [p.stat()]]
-    blob = json.dumps([FORMAT_VERSION, tok.identity(), settings, source], sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def tokenize(tok: tokenizer.Tokenizer, docs: list[str], verbose: bool = False) -> list[np.ndarray]:
-    out = []
-    with tqdm(total=sum(map(len, docs)), desc="tokenize", unit="char", unit_scale=True,
-              disable=not verbose, file=sys.stderr) as bar:
-        for s in range(0, len(docs), 64):  # in batches: tiktoken's threads get work, and the bar moves
-            out += tok.encode_many(docs[s:s + 64])
-            bar.update(sum(map(len, docs[s:s + 64])))
-    return out
-
-
-def join_documents(token_lists: list[np.ndarray], eot: int, dtype: np.dtype) -> np.ndarray:
-    """[eot] doc [eot] doc ...: each document starts right after <|endoftext|>, as sampling does."""
-    sep = np.array([eot], dtype=dtype)
-    parts = [a for t in token_lists for a in (sep, t)]
-    return np.concatenate(parts, dtype=dtype) if parts else sep[:0]
-
-
-def publish(tmp: Path, out: Path) -> None:
-    """Rename a finished temporary directory to `out`: readers see all of it or nothing."""
-    if out.exists():  # another process finished first (keep its copy), or a stale dir without meta.json
-        shutil.rmtree(tmp if (out / "meta.json").exists() else out)
-    if tmp.exists():
-        os.replace(tmp, out)
-
-
-def prepare(cfg: DataConfig, verbose: bool = True, force: bool = False) -> Path:
-    """Read, clean, tokenize, split and write a source once; later calls return the cached directory."""
-    if not 0 <= cfg.val_fraction < 1 or cfg.min_val_tokens < 0:
-        raise DataError(f"--val-fraction {cfg.val_fraction} must be in [0, 1) and --min-val-tokens "
-                        f"{cfg.min_val_tokens} at least 0")
-    say = print if verbose else lambda *a, **k: None
-    tok = tokenizer.get_tokenizer(cfg.tokenizer, cfg.cache_dir)
-    files = find_files(cfg.source, cfg.cache_dir)
-    name = next((s for s in reversed(Path(cfg.source).parts) if not any(c in s for c in "*?[")), "data")
-    label = re.sub(r"[^A-Za-z0-9_.-]+", "_", name)[:40]
-    out = Path(cfg.cache_dir) / f"{label}-{tok.name}-{cache_key(cfg, files, tok)}"
-    if force and out.exists():
-        shutil.rmtree(out)
-    if (out / "meta.json").exists():
-        say(f"data: using prepared {out}")
-        return out
-
-    say(f"data: preparing {cfg.source} ({len(files)} files) with the {tok.name} tokenizer")
-    start, seconds = time.perf_counter(), {}
-
-    def lap(stage: str) -> None:  # seconds since the previous lap
-        seconds[stage] = time.perf_counter() - start - sum(seconds.values())
-
-    stats = {"files": len(files), "bytes": 0, "removed": dict.fromkeys(FILTERS, 0), "seconds": seconds}
-    docs = read_documents(files, len(files) == 1 and Path(cfg.source).expanduser().is_file(), stats)
-    stats["documents"] = len(docs)
-    lap("read")
-    docs = clean(docs, cfg, stats, verbose)
-    if not docs:
-        raise DataError(f"--data {cfg.source}: no documents left after cleaning (removed: "
-                        f"{stats['removed']}); give more text, or relax the filters (python data.py --help)")
-    lap("clean")
-    token_lists = tokenize(tok, docs, verbose)
-    lap("tokenize")
-    dtype = np.dtype(np.uint16 if tok.vocab_size <= 2**16 else np.uint32)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
-    tmp.chmod(0o755)  # mkdtemp makes it private; shards are no secret
-    sizes = [len(t) + 1 for t in token_lists]  # + the <|endoftext|> before each
-    train, val = split_documents(sizes, cfg.val_fraction, cfg.min_val_tokens, cfg.seed)
-    for split, idx in (("train", train), ("val", val)):
-        tokens = join_documents([token_lists[i] for i in idx], tok.eot, dtype)
-        write_tokens(tmp / f"{split}.bin", tokens)
-        stats[f"{split}_docs"], stats[f"{split}_tokens"] = len(idx), len(tokens)
-    lap("write")
-    seconds["total"] = time.perf_counter() - start
-    stats["kept"] = len(docs)
-    meta = dict(format=FORMAT_VERSION, source=cfg.source, config=asdict(cfg), tokenizer=tok.identity(),
-                vocab_size=tok.vocab_size, eot=tok.eot, dtype=dtype.name, stats=stats)
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))  # written last: marks the directory complete
-    publish(tmp, out)
-    say(f"data: kept {stats['kept']} of {stats['documents']} documents: {stats['train_tokens']:,} train and "
-        f"{stats['val_tokens']:,} val tokens in {seconds['total']:.1f}s -> {out}")
-    return out
-
-
-def prepared_summary(meta: dict) -> str:
-    """What prepare kept and removed, as a small table."""
-    s, sec, cfg = meta["stats"], meta["stats"]["seconds"], meta["config"]
-    why = dict(not_utf8="not UTF-8 (skipped)", binary=f"binary (> {cfg['max_control']:.0%} control chars)",
-               too_short=f"too short (< {cfg['min_chars']} chars)", exact_dup="exact duplicates",
-               repeated_lines=f"repeated lines (> {cfg['max_repeated']:.0%} of the chars)",
-               near_dup=f"near duplicates (Jaccard >= {cfg['near_dup_threshold']})")
-    tokens = s["train_tokens"] + s["val_tokens"]
-    return "\n".join([
-        f"source     {meta['source']}: {s['files']} files, {s['bytes'] / 1e6:.1f} MB, {s['documents']} docs",
-        f"tokenizer  {meta['tokenizer']} (vocab {meta['vocab_size']}, eot {meta['eot']}, {meta['dtype']})",
-        *[f"removed    {n:6d}  {why[k]}" for k, n in s["removed"].items()],
-        f"NFC        {s['nfc_changed']:6d}  documents changed by Unicode normalization",
-        f"kept       {s['kept']:6d}  documents: {s['train_docs']} train, {s['val_docs']} val",
-        f"tokens     {s['train_tokens']:,} train, {s['val_tokens']:,} val "
-        f"({s['val_tokens'] / max(tokens, 1):.1%} of all)",
-        f"time       {sec['total']:.1f} s = read {sec['read']:.1f} + clean {sec['clean']:.1f} + tokenize "
-        f"{sec['tokenize']:.1f} + write {sec['write']:.1f}",
-        f"speed      {s['bytes'] / 1e6 / sec['total']:.1f} MB/s overall; tokenizing "
-        f"{tokens / max(sec['tokenize'], 1e-6) / 1e6:.1f}M tokens/s"])
-
-
 # ---------------------------------------------------------------------------------------------- loading
 
 def _check_batch(seq_len: int, global_batch: int, rank: int, world: int) -> None:
@@ -490,7 +400,8 @@ def _too_small(split: str, n_tokens: int, seq_len: int, global_batch: int) -> st
             f"or more data")
 
 
-def _windows(tokens: np.ndarray, idx: np.ndarray, seq_len: int) -> torch.Tensor:
+def _windows(tokens: np.ndarray, idx: np.ndarray, seq_len: int) -> "torch.Tensor":
+    import torch
     rows = idx[:, None] * seq_len + np.arange(seq_len + 1)  # (b, T+1) positions: window i starts at i*T
     return torch.from_numpy(np.array(tokens[rows], dtype=np.int64))  # (b, T+1)
 
@@ -516,7 +427,7 @@ class Loader:
             self._order_epoch = epoch
         return self._order
 
-    def next_batch(self) -> torch.Tensor:
+    def next_batch(self) -> "torch.Tensor":
         if self.position + self.global_batch > self.windows_per_epoch:  # too few left for a whole step
             self.epoch, self.position = self.epoch + 1, 0
         per_rank = self.global_batch // self.world
@@ -538,7 +449,7 @@ class Loader:
 
 
 def eval_batches(tokens: np.ndarray, seq_len: int, global_batch: int, n_batches: int,
-                 rank: int = 0, world: int = 1) -> list[torch.Tensor]:
+                 rank: int = 0, world: int = 1) -> list["torch.Tensor"]:
     """The first n_batches global batches of windows, in order: the same at every evaluation."""
     _check_batch(seq_len, global_batch, rank, world)
     available = max(0, (len(tokens) - 1) // seq_len) // global_batch

@@ -69,7 +69,7 @@ class Traffic:
         self.counts = defaultdict(lambda: [0, 0])
         self.time = timeline.Recorder(torch.device("cpu"))  # init_grid gives it the run's device
 
-    def add(self, op: str, group: str, nbytes: int, members: tuple[int, ...]) -> timeline.Comm:
+    def add(self, op: str, group: str, nbytes: int, members: tuple[int, ...]) -> timeline.Comm | None:
         self.counts[(op, group)][0] += 1
         self.counts[(op, group)][1] += nbytes
         return self.time.launch(op, group, members, nbytes)

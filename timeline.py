@@ -94,10 +94,13 @@ class TimedWork:
 
 
 class Recorder:
-    """This rank's collectives since the last reset, timed; and, while `spans_on`, its compute spans."""
+    """This rank's collectives since the last reset, timed while `on`; and, while `spans_on`, its compute
+    spans. On a CPU timing is always on (a clock read costs nanoseconds); on a GPU each point is a CUDA
+    event, so the loop turns it on only for the steps that report it."""
 
     def __init__(self, device: torch.device):
         self.clock = Clock(device)
+        self.on = not self.clock.cuda
         self.comms: list[Comm] = []
         self.spans: list[tuple[str, object, object]] = []
         self.spans_on, self.t0 = False, None
@@ -105,13 +108,17 @@ class Recorder:
     def reset(self) -> None:
         self.comms, self.spans = [], []
 
-    def launch(self, op: str, group: str, members: tuple[int, ...], nbytes: int) -> Comm:
+    def launch(self, op: str, group: str, members: tuple[int, ...], nbytes: int) -> Comm | None:
+        if not self.on:
+            return None
         comm = Comm(op, group, members, nbytes, self.clock.now())
         self.comms.append(comm)
         return comm
 
-    def track(self, comm: Comm, work):
+    def track(self, comm: Comm | None, work):
         """A synchronous call has completed when it returns; an asynchronous one when its work says so."""
+        if comm is None:
+            return work
         if work is None:
             comm.done = self.clock.now()
             return None
@@ -140,11 +147,11 @@ class Recorder:
         """Record the compute spans of this step, on a clock lined up with the other ranks."""
         self.reset()
         barrier()
-        self.t0, self.spans_on = self.clock.now(), True
+        self.t0, self.spans_on, self.on = self.clock.now(), True, True
 
     def stop(self) -> dict:
         """This rank's step, in seconds from its time 0: plain data, for gathering to rank 0."""
-        self.spans_on = False
+        self.spans_on, self.on = False, not self.clock.cuda
         at = lambda point: self.clock.seconds(self.t0, point)
         return {"spans": [(name, at(a), at(b)) for name, a, b in self.spans],
                 "comms": [(c.op, c.group, list(c.members), c.nbytes, at(c.launch), at(c.done))

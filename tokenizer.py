@@ -71,8 +71,9 @@ class Tokenizer:
     def identity(self) -> str:  # saved in checkpoints: a model is only valid with its own tokenizer
         raise NotImplementedError
 
-    def encode_many(self, texts: list[str]) -> list[np.ndarray]:
-        """Encode documents in bulk (prepare calls this; subclasses make it fast)."""
+    def encode_many(self, texts: list[str], threads: int = 0) -> list[np.ndarray]:
+        """Encode documents in bulk on `threads` threads (0: all cores; data.py's workers use 1 each, as
+        they already run one per core). Subclasses make it fast."""
         return [np.asarray(self.encode(t), dtype=np.int64) for t in texts]
 
 
@@ -83,7 +84,7 @@ class ByteTokenizer(Tokenizer):
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def encode_many(self, texts: list[str]) -> list[np.ndarray]:
+    def encode_many(self, texts: list[str], threads: int = 0) -> list[np.ndarray]:
         return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
 
     def decode(self, ids) -> str:
@@ -125,8 +126,10 @@ class GPT2Tokenizer(Tokenizer):
     def encode(self, text: str) -> list[int]:
         return self.enc.encode_ordinary(text)
 
-    def encode_many(self, texts: list[str]) -> list[np.ndarray]:
-        batch = self.enc.encode_ordinary_batch(texts, num_threads=os.cpu_count() or 1)  # Rust, in parallel
+    def encode_many(self, texts: list[str], threads: int = 0) -> list[np.ndarray]:
+        if threads == 1:  # no thread pool for one thread
+            return [np.asarray(self.enc.encode_ordinary(t), dtype=np.uint32) for t in texts]
+        batch = self.enc.encode_ordinary_batch(texts, num_threads=threads or os.cpu_count() or 1)  # Rust, in parallel
         return [np.asarray(ids, dtype=np.uint32) for ids in batch]
 
     def decode(self, ids) -> str:

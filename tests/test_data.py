@@ -6,14 +6,22 @@ touches no network.
 
 import hashlib
 import json
+import os
 import struct
+import subprocess
+import sys
+import tracemalloc
 import unicodedata
 
 import numpy as np
 import pytest
 import torch
+from conftest import ROOT
 
 import data
+import dedup
+import scan
+import sources
 import tokenizer
 
 WORDS = [f"w{i}" for i in range(5000)]
@@ -85,8 +93,8 @@ def test_near_duplicate_detection_follows_the_lsh_curve():
     base = [text(rng, 600) for _ in range(20)]
     near = [edit_words(d, rng.choice(600, 3, replace=False).tolist()) for d in base]
     far = [edit_words(d, rng.choice(600, 300, replace=False).tolist()) for d in base]
-    sig = data.minhash_signatures(base + near + far)
-    assert data.near_duplicates(sig, 0.8) == set(range(20, 40))  # every near copy, no far one
+    sig = dedup.signatures(base + near + far)
+    assert dedup.near_duplicates(sig, 0.8) == set(range(20, 40))  # every near copy, no far one
     assert 0.85 < np.mean(sig[0] == sig[20]) and np.mean(sig[0] == sig[40]) < 0.3
 
 
@@ -98,6 +106,133 @@ def test_single_file_is_cut_into_documents_and_split_by_document(tmp_path):
     stats = json.loads((prepared / "meta.json").read_text())["stats"]
     assert stats["documents"] >= 20 and stats["val_docs"] >= 2
     assert stats["val_tokens"] >= 0.1 * (stats["train_tokens"] + stats["val_tokens"])
+
+
+# ---------------------------------------------------------------------------------------------- dedup that scales
+
+def test_a_signature_depends_only_on_its_document():
+    rng = np.random.default_rng(9)
+    docs = [text(rng) for _ in range(6)]
+    alone = [dedup.signature(d) for d in docs]
+    for order in ([0, 1, 2, 3, 4, 5], [5, 3, 1, 0, 2, 4], [2, 2, 0]):  # in any corpus, in any order
+        sig = dedup.signatures([docs[i] for i in order])
+        assert all(np.array_equal(sig[k], alone[i]) for k, i in enumerate(order))
+    assert len({s.tobytes() for s in alone}) == 6
+    code = "import sys, dedup; sys.stdout.write(dedup.signature(sys.stdin.read()).astype('<u4').tobytes().hex())"
+    for seed in ("1", "2"):  # in other processes, whatever Python's string hashing is salted with
+        out = subprocess.run([sys.executable, "-c", code], input=docs[0], capture_output=True, text=True, cwd=ROOT,
+                             env={**os.environ, "PYTHONHASHSEED": seed}, check=True).stdout
+        assert out == alone[0].astype("<u4").tobytes().hex()
+    # and on other machines and versions: pinned, so a change of the hashing is a deliberate one
+    # (it must come with a FORMAT_VERSION bump: the prepared caches depend on it)
+    fox = dedup.signature("The quick brown fox jumps over the lazy dog, and then naps under the old oak tree.")
+    assert hashlib.sha256(fox.astype("<u4").tobytes()).hexdigest() == \
+        "0c832c57108dad64a1de72530973bb8fead28f4b11689f27792c3bf9782c95dd"
+
+
+def test_a_bucket_of_4000_near_copies_costs_linear_work_and_flat_memory():
+    rng = np.random.default_rng(10)
+    base = text(rng, 400)
+    copies = [base] + [edit_words(base, rng.choice(400, 2, replace=False).tolist()) for _ in range(3999)]
+    sig = dedup.signatures(copies)
+    assert (np.mean(sig[1:] == sig[0], axis=1) >= 0.85).all()  # one bucket in every band, nearly
+    tracemalloc.start()
+    clusters = dedup.cluster(sig, 0.8)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert clusters.drop.tolist() == list(range(1, 4000))  # one cluster, and its first document is kept
+    # each copy is compared with at most WINDOW others per band: 128k pairs, where all pairs of the
+    # bucket are 8M per band; the pairs of one bucket as Python tuples alone would take > 1 GB
+    assert 4000 * dedup.BANDS <= clusters.compared <= 4000 * dedup.BANDS * dedup.WINDOW
+    assert peak < 24e6, f"{peak / 1e6:.1f} MB"
+
+
+def test_planted_clusters_keep_exactly_their_earliest_document(tmp_path):
+    rng = np.random.default_rng(11)
+    planted = []
+    for _ in range(40):
+        base = text(rng, 500)
+        variants = [edit_words(base, rng.choice(500, 3, replace=False).tolist()) for _ in range(3)]
+        chain = [base]  # a chain: each version edits the one before; its ends are less alike than 0.8
+        for _ in range(6):
+            chain.append(edit_words(chain[-1], rng.choice(500, 4, replace=False).tolist()))
+        planted.append([base, *variants, *chain[1:]])
+    ends = [set(dedup.shingle_hashes(cluster[i]).tolist()) for cluster in planted[:1] for i in (0, -1)]
+    assert len(ends[0] & ends[1]) / len(ends[0] | ends[1]) < 0.75
+    docs = [(c, v) for c in range(40) for v in range(10)]
+    order = rng.permutation(len(docs))  # clusters interleaved, versions in any order
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for position, k in enumerate(order):
+        c, v = docs[k]
+        (corpus / f"{position:04d}.txt").write_text(planted[c][v])
+    prepared = data.prepare(byte_cfg(tmp_path, corpus, workers=1), verbose=False)
+    kept = sorted(shard_docs(prepared, tokenizer.ByteTokenizer()))
+    earliest = {}  # cluster -> its first version in corpus order
+    for k in order:
+        earliest.setdefault(docs[k][0], planted[docs[k][0]][docs[k][1]])
+    assert kept == sorted(earliest.values())  # one per cluster: the earliest in corpus order
+    stats = json.loads((prepared / "meta.json").read_text())["stats"]
+    assert stats["removed"]["near_dup"] == 360 and stats["near_dup"]["clusters"] == 40
+    assert stats["near_dup"]["largest"] == 10
+
+
+def test_the_report_lists_removed_pairs_with_their_similarity(tmp_path, capsys):
+    rng = np.random.default_rng(12)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    base = [text(rng, 300) for _ in range(3)]
+    for i, d in enumerate(base):
+        (corpus / f"a{i}.txt").write_text(d)
+        (corpus / f"b{i}.txt").write_text(edit_words(d, [5 + 50 * i]))  # one word changed
+    data.main(["--data", str(corpus), "--tokenizer", "byte", "--cache-dir", str(tmp_path / "c"), "--workers", "1"])
+    out = capsys.readouterr().out
+    assert "clusters        3  near-duplicate clusters (largest: 2 documents), each keeps its earliest" in out
+    examples = [line.split() for line in out.splitlines() if line.startswith("  removed ")]
+    assert [(e[1], e[6]) for e in examples] == [(f"b{i}.txt", f"a{i}.txt") for i in range(3)]
+    shingles = [set(dedup.shingle_hashes(edit_words(d, [5 + 50 * i])).tolist()) for i, d in enumerate(base)]
+    truth = [len(s & t) / len(s | t) for s, t in zip(shingles, (set(dedup.shingle_hashes(d).tolist()) for d in base))]
+    for e, j in zip(examples, truth):  # the estimate, next to the true Jaccard of the pair (~0.97)
+        assert e[2].startswith("J~") and abs(float(e[2][2:]) - j) < 0.08
+
+
+def test_preparation_resumes_after_its_last_finished_part(tmp_path, monkeypatch):
+    rng = np.random.default_rng(13)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(60):
+        (corpus / f"{i:02d}.txt").write_text(text(rng, 200))
+    monkeypatch.setattr(scan, "CHUNK_CHARS", 5000)  # 5 documents (~1,200 chars each) a chunk,
+    monkeypatch.setattr(scan, "CHUNKS_PER_PART", 3)  # 15 a part
+    cfg = byte_cfg(tmp_path, corpus, workers=1)
+    whole = data.prepare(byte_cfg(tmp_path / "whole", corpus, workers=2), verbose=False)
+
+    finish_part, parts = scan.Work.finish_part, []
+    def crash_after_two(self, docs):
+        finish_part(self, docs)
+        parts.append(docs)
+        if len(parts) == 2:
+            raise KeyboardInterrupt  # a stop, right after the second part was made durable
+    monkeypatch.setattr(scan.Work, "finish_part", crash_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        data.prepare(cfg, verbose=False)
+    work = next((tmp_path / "cache").glob(".*.work"))
+    manifest = json.loads((work / "manifest.json").read_text())
+    assert [p["docs"] for p in manifest["parts"]] == [15, 30]
+    with open(work / "docs.bin", "ab") as f:
+        f.write(b"half a record")  # what a crash mid-way through a part leaves behind: cut away on resume
+
+    read = []
+    monkeypatch.setattr(scan, "scan_chunk", lambda texts: read.append(len(texts)) or scan_chunk(texts))
+    monkeypatch.setattr(scan.Work, "finish_part", finish_part)
+    prepared = data.prepare(cfg, verbose=False)
+    assert sum(read) == 30  # only the documents after the last finished part
+    assert [(prepared / f).read_bytes() for f in ("train.bin", "val.bin")] == \
+        [(whole / f).read_bytes() for f in ("train.bin", "val.bin")]
+    assert not work.exists()  # done: the work directory is gone
+
+
+scan_chunk = scan.scan_chunk
 
 
 # ---------------------------------------------------------------------------------------------- the split
@@ -207,7 +342,7 @@ def test_prepare_is_cached_and_the_key_follows_every_input(tmp_path):
     stamp = (first / "meta.json").stat().st_mtime_ns
     assert data.prepare(cfg, verbose=False) == first and (first / "meta.json").stat().st_mtime_ns == stamp
 
-    files, tok = data.find_files(str(corpus), cfg.cache_dir), tokenizer.ByteTokenizer()
+    files, tok = sources.resolve(str(corpus), cfg.cache_dir).files, tokenizer.ByteTokenizer()
     key = data.cache_key(cfg, files, tok)
     other_tok = type("Other", (tokenizer.ByteTokenizer,), {"identity": lambda self: "byte:v2"})()
     changed = [data.cache_key(data.DataConfig(**{**vars(cfg), field: value}), files, tok)
@@ -322,7 +457,7 @@ def test_bad_input_gives_a_clear_data_error(tmp_path, monkeypatch):
         data.eval_batches(data.load_tokens(prepared / "val.bin"), T, 8, n_batches=1)
     with pytest.raises(data.DataError, match="split evenly over 3"):
         data.Loader(TOKENS, T, 8, seed=0, rank=0, world=3)
-    monkeypatch.setattr(data, "SHAKESPEARE_URL", "http://127.0.0.1:9/input.txt")  # as if offline
+    monkeypatch.setattr(sources, "SHAKESPEARE_URL", "http://127.0.0.1:9/input.txt")  # as if offline
     monkeypatch.setenv("no_proxy", "*")  # even where a proxy is configured
     with pytest.raises(data.DataError, match="could not download Tiny Shakespeare.*place it at"):
         data.prepare(byte_cfg(tmp_path, "shakespeare"), verbose=False)
@@ -340,7 +475,7 @@ def test_cli_prepares_and_reports(tmp_path, capsys):
     flags = ["--tokenizer", "byte", "--cache-dir", str(tmp_path / "c")]
     data.main(["--data", str(tmp_path / "corpus"), "--min-val-tokens", "100", *flags])
     out = capsys.readouterr().out
-    assert "removed         0  near duplicates" in out and "kept            3" in out and "tokens/s" in out
+    assert "removed         0  near duplicates" in out and "kept            3" in out and "chars/s per process" in out
     assert "documents: 2 train, 1 val" in out and "% of all)" in out
     with pytest.raises(SystemExit, match="data: error: --data .*nope: no such file"):
         data.main(["--data", str(tmp_path / "nope"), *flags])
