@@ -220,7 +220,7 @@ def test_the_checker_catches_drift_and_forgives_what_varies():
     assert normalize("paid 48.9 ms a save (271% of a 18 ms step") == "paid <time> a save (<pct> of a <time> step"
     assert normalize("/usr/lib/python3.12/json (20 files)") == "<stdlib>/json (20 files)"
     assert normalize("  a  [00:07<00:00,  2.25it/s]") == normalize("  a [00:00<00:00, 53.57it/s]")
-    assert normalize("16/16 [00:00<00:00, 13695.69band/s] 10.7MB/s") == normalize("16/16 [00:01<00:00, 9.1band/s] 2MB/s")
+    assert normalize("[00:00<00:00, 13695.69band/s] 10.7MB/s") == normalize("[00:01<00:00, 9.1band/s] 2MB/s")
     assert match(shown(["peak 216 GFLOP/s …"]), shown(["peak 216 GFLOP/s (27.7%)"]), strict=True)
     assert not match(shown(["peak 216 GFLOP/s …"]), shown(["peak 217 GFLOP/s (27.7%)"]), strict=True)
 
