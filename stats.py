@@ -168,11 +168,8 @@ class LayerStats:
 
 
 def comm_seconds(grid: Grid) -> dict:
-    """{"comm_s": {"all_reduce dp": seconds, ...}}: the host time each collective took this step (launch
-    to completion, Traffic.seconds), for the step's row in metrics.jsonl; {} on one process, or where
-    the counting wrapper does not time."""
-    seconds = getattr(grid.traffic, "seconds", None)
-    if grid.world == 1 or seconds is None:
-        return {}
-    times = seconds()
+    """{"comm_s": {"all_reduce dp": seconds, ...}}: how long each collective took this step, launch to
+    completion (timeline.py), for the step's row in metrics.jsonl; {} on one process, and on a GPU on the
+    steps whose collectives were not timed."""
+    times = grid.traffic.seconds() if grid.world > 1 else {}
     return {"comm_s": dict(times)} if times else {}

@@ -270,8 +270,11 @@ def train_step(run: Run) -> dict:
     (`skipped`) or the loss is a spike (`spike`: the caller rolls back)."""
     cfg, lr = run.cfg, stability.lr_at(run.step, run.cfg)
     run.grid.traffic.reset()  # count this step's bytes only
+    recorder = run.grid.traffic.time
     if run.step + 1 == run.timeline_step:
-        run.grid.traffic.time.start(run.grid.barrier)
+        recorder.start(run.grid.barrier)
+    elif recorder.clock.cuda:  # CUDA events cost microseconds each: only for the steps that report them
+        recorder.on = run.layer_stats.due(run.step + 1)
     run.layer_stats.begin(run.step + 1)
     batch_number, batch = next_batch(run)
     local_loss = forward_backward(run, batch)
