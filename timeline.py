@@ -24,13 +24,15 @@ call, completion from the collective's future (`Work.get_future().then`), which 
 finishes even if nobody waits yet; where there is no future (point-to-point), when the waiting call
 returns. On a GPU the host returns long before the device is done, so the points are CUDA events
 recorded on the compute stream: launch where the collective is issued, completion where the stream
-is allowed past it (after `wait()`); compute spans are events too. The ranks' clocks are lined up by
-a barrier at the start of the recorded step (each rank's time 0 is when it left the barrier).
+is allowed past it (after `wait()`); compute spans are events too. Ranks on one machine share its
+monotonic clock (CPU); elsewhere the clocks are lined up by a barrier at the start of the recorded step
+(each rank's time 0 is when it left the barrier).
 
 `Recorder` times every collective of every step (the dashboard charts `seconds()`); `--print-timeline`
 also records the compute spans of one step, gathers every rank's record and draws it (`draw`).
 """
 
+import socket
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -150,15 +152,32 @@ class Recorder:
         self.t0, self.spans_on, self.on = self.clock.now(), True, True
 
     def stop(self) -> dict:
-        """This rank's step, in seconds from its time 0: plain data, for gathering to rank 0."""
+        """This rank's step, in seconds from its time 0: plain data, for gathering to rank 0. On a CPU
+        also the host and its monotonic clock at time 0, which every process on one machine shares."""
         self.spans_on, self.on = False, not self.clock.cuda
         at = lambda point: self.clock.seconds(self.t0, point)
         return {"spans": [(name, at(a), at(b)) for name, a, b in self.spans],
                 "comms": [(c.op, c.group, list(c.members), c.nbytes, at(c.launch), at(c.done))
-                          for c in self.comms if c.done is not None]}
+                          for c in self.comms if c.done is not None],
+                "host": socket.gethostname(), "t0": None if self.clock.cuda else self.t0}
 
 
 # ----------------------------------------------------------------------------- lining the ranks up
+
+
+def line_up(ranks: list[dict]) -> list[dict]:
+    """The ranks on one time axis. Ranks that share a host and a host clock are placed by that clock (a
+    barrier lines up only as well as the processes are scheduled when they leave it: on a CPU with more
+    processes than cores, tens of milliseconds apart); otherwise each rank's time 0 is its barrier exit."""
+    if any(r.get("t0") is None for r in ranks) or len({r.get("host") for r in ranks}) > 1:
+        return ranks
+    origin = min(r["t0"] for r in ranks)
+    out = []
+    for r in ranks:
+        d = r["t0"] - origin
+        out.append({**r, "spans": [(n, a + d, b + d) for n, a, b in r["spans"]],
+                    "comms": [(*c[:4], c[4] + d, c[5] + d) for c in r["comms"]]})
+    return out
 
 
 def split_waiting(ranks: list[dict]) -> list[list[dict]]:
@@ -223,6 +242,7 @@ def lanes(rows: list[dict]) -> dict[str, list[list[dict]]]:
 
 def draw(ranks: list[dict], width: int = 96) -> str:
     """The ASCII timeline of one step: per rank a compute row and a row per lane of collectives."""
+    ranks = line_up(ranks)
     timed = split_waiting(ranks)
     end = max([b for r in ranks for _, _, b in r["spans"]] + [c["done"] for rows in timed for c in rows] + [1e-9])
     col = lambda t: min(width - 1, max(0, int(t / end * width)))
