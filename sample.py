@@ -22,11 +22,11 @@ runs the same loop on every stage in lockstep, so that every rank draws the same
     logits (V) ──÷ temperature──▶ keep the top k ──softmax──▶ p ──draw(generator)──▶ token
     --temperature 0: the argmax (greedy decoding)
 
-The draws come from a generator seeded with --seed, so the same seed gives the same text. The text
-does not depend on the layout either, in the sense the tests check: checkpoints of one run saved at
-one process and at tp 2 x pp 2, sampled at one process or at tp 2 x pp 2, give the same tokens. (The
-logits agree to fp32 rounding, ~1e-6; a draw could only differ if it fell that close to the boundary
-between two tokens.) train.py samples the same way with its --seed (default 1337, as here), so the
+The draws come from a generator seeded with --seed, so the same seed gives the same text on the same
+layout. Across layouts the logits agree to fp32 rounding (~1e-6): greedy decoding gives the same tokens,
+and so does a seeded draw unless rounding decides it: a draw that falls that close to the boundary
+between two tokens, or top-k's 50th and 51st logits within rounding of each other, which changes every
+kept probability (seen once in 60 tokens, sampling at tp 2 x pp 2). train.py samples the same way with its --seed (default 1337, as here), so the
 defaults print again the sample a run logged when it saved its last checkpoint.
 
 Streaming. Each token is printed as soon as it is drawn. A token is bytes, not characters: a byte

@@ -437,7 +437,7 @@ def train(run: Run) -> dict:
                 else:
                     row = train_step(run)
                 if row.pop("spike"):
-                    roll_back(run, row, metrics)
+                    roll_back(run, row, metrics, bar)
                     bar.n = run.step
                     continue
                 if run.spikes and row["step"] > max(s for s, _ in run.spikes):
@@ -591,7 +591,7 @@ def memory_report(run: Run) -> str:
     return "\n".join(texts)
 
 
-def roll_back(run: Run, row: dict, metrics: rundir.Metrics) -> None:
+def roll_back(run: Run, row: dict, metrics: rundir.Metrics, bar) -> None:
     """A loss spike: drop the update, go back to the last complete checkpoint, and never draw the
     offending batch again (PaLM, section 5.1, does the same by hand). The steps between the
     checkpoint and the spike are replayed exactly: same batches, same RNG. A spike that keeps coming
@@ -610,8 +610,9 @@ def roll_back(run: Run, row: dict, metrics: rundir.Metrics) -> None:
     run.skip_batches = skip
     metrics.truncate(run.step)  # the replaced attempt's step lines go; event lines stay
     metrics.log(event="spike", **row, rolled_back_to=run.step)
-    run.grid.log(f"step {row['step']}: loss {row['loss']:.3f} is a spike; rolled back to step {run.step} "
-                 f"and will skip batch {row['batch']}")
+    if run.grid.is_logger:  # through the bar, which clears itself first (a print would land on its line)
+        bar.write(f"step {row['step']}: loss {row['loss']:.3f} is a spike; rolled back to step {run.step} "
+                  f"and will skip batch {row['batch']}")
 
 
 def main(argv=None) -> None:
