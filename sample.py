@@ -26,8 +26,9 @@ The draws come from a generator seeded with --seed, so the same seed gives the s
 layout. Across layouts the logits agree to fp32 rounding (~1e-6): greedy decoding gives the same tokens,
 and so does a seeded draw unless rounding decides it: a draw that falls that close to the boundary
 between two tokens, or top-k's 50th and 51st logits within rounding of each other, which changes every
-kept probability (seen once in 60 tokens, sampling at tp 2 x pp 2). train.py samples the same way with its --seed (default 1337, as here), so the
-defaults print again the sample a run logged when it saved its last checkpoint.
+kept probability (seen once in 60 tokens, sampling at tp 2 x pp 2). train.py samples the same way with
+its --seed (default 1337, as here), so the defaults print again the sample a run logged when it saved its
+last checkpoint.
 
 Streaming. Each token is printed as soon as it is drawn. A token is bytes, not characters: a byte
 token, or a GPT-2 token, can end inside a multi-byte UTF-8 character ("✓" is two GPT-2 tokens,
