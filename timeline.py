@@ -11,7 +11,8 @@ rank launched it and when it completed, then line the ranks up:
     rank 1  compute  |FFFFFFFBBBBBBBBBBBBBBBBBBBBBB               O|
             dp       |                    ==       ======    ==      |
 
-    F forward  B backward  O optimizer step  . launched, waiting for a peer  = transferring
+    F forward  B backward  O optimizer step  : blocked in a collective (a tensor-parallel all-reduce)
+    . launched, waiting for a peer  = transferring
 
 A collective's members all launch it, in the same order (that is the contract of every collective),
 so the k-th collective of a group on one rank is the k-th on the others. The transfer can only start
@@ -68,6 +69,7 @@ class Comm:
     nbytes: int
     launch: object
     done: object = None
+    blocking: bool = False  # the caller waited in the call (a synchronous collective): no compute meanwhile
 
 
 class TimedWork:
@@ -122,7 +124,7 @@ class Recorder:
         if comm is None:
             return work
         if work is None:
-            comm.done = self.clock.now()
+            comm.done, comm.blocking = self.clock.now(), True
             return None
         return TimedWork(work, comm, self.clock)
 
@@ -157,7 +159,7 @@ class Recorder:
         self.spans_on, self.on = False, not self.clock.cuda
         at = lambda point: self.clock.seconds(self.t0, point)
         return {"spans": [(name, at(a), at(b)) for name, a, b in self.spans],
-                "comms": [(c.op, c.group, list(c.members), c.nbytes, at(c.launch), at(c.done))
+                "comms": [(c.op, c.group, list(c.members), c.nbytes, at(c.launch), at(c.done), c.blocking)
                           for c in self.comms if c.done is not None],
                 "host": socket.gethostname(), "t0": None if self.clock.cuda else self.t0}
 
@@ -176,7 +178,7 @@ def line_up(ranks: list[dict]) -> list[dict]:
     for r in ranks:
         d = r["t0"] - origin
         out.append({**r, "spans": [(n, a + d, b + d) for n, a, b in r["spans"]],
-                    "comms": [(*c[:4], c[4] + d, c[5] + d) for c in r["comms"]]})
+                    "comms": [(*c[:4], c[4] + d, c[5] + d, *c[6:]) for c in r["comms"]]})
     return out
 
 
@@ -188,11 +190,12 @@ def split_waiting(ranks: list[dict]) -> list[list[dict]]:
     keyed = []
     for rank, record in enumerate(ranks):
         mine = []
-        for op, group, members, nbytes, launch, done in record["comms"]:
+        for op, group, members, nbytes, launch, done, *blocking in record["comms"]:
             key = (tuple(members), op, seen[(rank, tuple(members), op)])
             seen[(rank, tuple(members), op)] += 1
             launches[key][rank] = launch
-            mine.append((key, dict(op=op, group=group, nbytes=nbytes, launch=launch, done=done)))
+            mine.append((key, dict(op=op, group=group, nbytes=nbytes, launch=launch, done=done,
+                                   blocking=bool(blocking and blocking[0]))))
         keyed.append(mine)
     out = []
     for mine in keyed:
@@ -220,10 +223,20 @@ def length(intervals: list[tuple[float, float]]) -> float:
     return sum(b - a for a, b in union(intervals))
 
 
-def overlapped(intervals: list[tuple[float, float]], spans: list[tuple[str, float, float]]) -> float:
-    """Seconds of the union of `intervals` during which this rank was computing."""
-    busy = union([(a, b) for _, a, b in spans])
+def overlapped(intervals: list[tuple[float, float]], busy: list[tuple[float, float]]) -> float:
+    """Seconds of the union of `intervals` during which this rank was computing (`busy`, disjoint)."""
     return sum(max(0.0, min(b, d) - max(a, c)) for a, b in union(intervals) for c, d in busy)
+
+
+def computing(spans: list[tuple[str, float, float]], rows: list[dict]) -> list[tuple[float, float]]:
+    """When this rank computed: its spans, less the time it sat inside a blocking collective (a tensor-
+    parallel all-reduce runs inside a forward span, but nothing is computed while it waits for it)."""
+    out = union([(a, b) for _, a, b in spans])
+    for c in rows:
+        if c["blocking"]:
+            out = [piece for a, b in out for piece in ((a, min(b, c["launch"])), (max(a, c["done"]), b))
+                   if piece[1] > piece[0]]
+    return out
 
 
 def lanes(rows: list[dict]) -> dict[str, list[list[dict]]]:
@@ -252,6 +265,10 @@ def draw(ranks: list[dict], width: int = 96) -> str:
         for name, a, b in record["spans"]:
             for i in range(col(a), max(col(a) + 1, col(b))):
                 row[i] = name[0]
+        for c in rows:
+            for i in range(col(c["launch"]), col(c["done"]) if c["blocking"] else 0):
+                if row[i] != " ":
+                    row[i] = ":"  # inside a span, but blocked in a collective
         lines.append(f"rank {rank:<3} compute   |{''.join(row)}|")
         for group, group_lanes in sorted(lanes(rows).items()):
             for lane in group_lanes:
@@ -262,7 +279,8 @@ def draw(ranks: list[dict], width: int = 96) -> str:
                     for i in range(col(c["start"]), max(col(c["start"]) + 1, col(c["done"]))):
                         row[i] = "="
                 lines.append(f"         {group:<9} |{''.join(row)}|")
-    lines.append("F forward  B backward  O optimizer step  . launched, waiting for a peer to launch  = transferring")
+    lines.append("F forward  B backward  O optimizer step  : blocked in a collective  "
+                 ". launched, waiting for a peer to launch  = transferring")
     return "\n".join(lines + summary(ranks, timed))
 
 
@@ -280,7 +298,8 @@ def summary(ranks: list[dict], timed: list[list[dict]]) -> list[str]:
             wait = length([(c["launch"], c["start"]) for c in calls])
             moving = [(c["start"], c["done"]) for c in calls]
             transfer = length(moving)
-            share = f"{overlapped(moving, record['spans']) / transfer:.0%}" if transfer > 0 else "-"
+            busy = computing(record["spans"], rows)
+            share = f"{overlapped(moving, busy) / transfer:.0%}" if transfer > 0 else "-"
             lines.append(f"{rank:<5} {name:<20} {len(calls):>5} {1e3 * wait:>12.2f} ms {1e3 * transfer:>7.2f} ms "
                          f"{share:>18}")
     return lines

@@ -29,7 +29,7 @@ def test_buckets_overlap_the_backward_and_no_overlap_waits_for_it(overlap, corpu
         assert len(grads) > 2  # several buckets
         early = [c for c in grads if c[4] < backward_end]  # launched before the backward ended
         assert (len(early) > 0) == overlap, (len(early), len(grads))
-        assert all(launch <= done for *_, launch, done in rank["comms"])
+        assert all(c[4] <= c[5] for c in rank["comms"])  # launched before done
         optimizer_start = next(start for name, start, _ in rank["spans"] if name == "O")
         assert all(c[5] <= optimizer_start for c in grads)  # every gradient is in before the update
 
@@ -42,8 +42,19 @@ def test_waiting_for_a_peer_is_told_apart_from_the_transfer():
     (a, b), (c, d) = timeline.split_waiting(ranks)
     assert (a["wait"], a["transfer"]) == (2.0, 1.0) and (c["wait"], c["transfer"]) == (0.0, 1.0)
     assert (b["wait"], b["transfer"]) == (0.5, 0.5) and (d["wait"], d["transfer"]) == (0.0, 0.5)
-    assert timeline.overlapped([(2.5, 4.0), (2.0, 3.5)], ranks[1]["spans"]) == 1.0  # [2, 3) of [2, 4)
+    assert timeline.overlapped([(2.5, 4.0), (2.0, 3.5)], [(0.0, 3.0)]) == 1.0  # [2, 3) of [2, 4)
     assert timeline.length([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0)]) == 4.0
     picture = timeline.draw(ranks, width=60)
     row0 = picture.splitlines()[2]  # rank 0's dp lane: waits ('.') from 1.0 to 3.0, then transfers ('=')
     assert row0.index(".") < row0.index("=") and "." not in row0[row0.index("="):row0.index("=") + 5]
+
+
+def test_a_blocking_collective_inside_a_span_is_not_computing():
+    # a tensor-parallel all-reduce: called inside the forward span, the caller waits in it
+    ranks = [{"spans": [("F", 0.0, 4.0)], "comms": [["all_reduce", "tp", [0, 1], 16, 1.0, 2.0, True]]},
+             {"spans": [("F", 0.0, 4.0)], "comms": [["all_reduce", "tp", [0, 1], 16, 1.0, 2.0, True]]}]
+    rows = timeline.split_waiting(ranks)[0]
+    assert timeline.computing(ranks[0]["spans"], rows) == [(0.0, 1.0), (2.0, 4.0)]
+    assert timeline.summary(ranks, timeline.split_waiting(ranks))[1].split()[-1] == "0%"  # none of it hidden
+    compute_row = timeline.draw(ranks, width=40).splitlines()[1]
+    assert ":" in compute_row and compute_row.index("F") < compute_row.index(":") < compute_row.rindex("F")
