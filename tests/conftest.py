@@ -18,6 +18,10 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# One thread per process: the suite runs on 2 workers of a 2-core machine, each starting training processes
+# of its own; torch's default (a thread per core in every process) makes them wait for each other, many
+# times slower than the same work single-threaded. Set before torch is imported; subprocesses inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))

@@ -176,7 +176,7 @@ def run_blocks(doc: Path, cwd: Path) -> tuple[list, list[list[str]], subprocess.
         shutil.copy(tokenizer_file, home / ".cache" / "nanoscale")
     # `python` and `torchrun` in the lesson are the ones running this test; output arrives in order
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PYTHONUNBUFFERED": "1",
-           "COLUMNS": "120", "HOME": str(home)}
+           "COLUMNS": "120", "HOME": str(home), "OMP_NUM_THREADS": "1"}  # one thread: as the suite runs
     result = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=cwd, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, timeout=900)
     text = result.stdout.decode(errors="replace").replace(str(home), "~")
