@@ -58,7 +58,7 @@ class TrainConfig:
                                shown="on with CUDA; off on CPU, where compiling costs more than it saves")
 
     max_steps: int = arg(0, "optimizer steps", at_least(0), group="optimization",
-                         shown="200 on CPU (about 7 minutes); on CUDA two epochs of the data, at most 5000")
+                         shown="200 on CPU (about 2 minutes); on CUDA two epochs of the data, at most 5000")
     batch_size: int = arg(0, "global batch in sequences per optimizer step", at_least(0),
                           shown="64 on CUDA, 8 on CPU")
     micro_batch_size: int = arg(0, "sequences per forward/backward on one rank; the rest is gradient "
