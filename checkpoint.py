@@ -64,7 +64,7 @@ import torch
 import hf
 import storage
 from model import canonical_name
-from parallel import take_shard, unshard
+from shard import take_shard, unshard
 from storage import CheckpointError, CorruptCheckpoint  # raised by storage.py's checks; caught as checkpoint.*
 from zero import ZeroAdamW
 

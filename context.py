@@ -284,7 +284,7 @@ class UlyssesAttention(nn.Module):
     def forward(self, qkv):  # (B, T/cp, 3, H, D)
         if not self.grid.cp_on:
             return self.local(qkv)
-        cp = self.grid.cp  # parallel.check_layout made sure it divides the heads
+        cp = self.grid.cp  # shard.check_layout made sure it divides the heads
         whole = AllToAll.apply(qkv, self.grid, 3, 1)  # (B, T, 3, H/cp, D): every rank's tokens, in rank order
         order = torch.cat([positions(whole.size(1), cp, r, qkv.device) for r in range(cp)])  # their positions
         y = self.local(whole.index_select(1, order.argsort()))  # (B, H/cp, T, D), causal in true order

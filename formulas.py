@@ -26,7 +26,8 @@ import torch
 import gradients
 import model as gpt
 from gradients import GradSync
-from parallel import Grid, LayoutError, rank_layers
+from parallel import Grid, LayoutError
+from shard import rank_layers
 from zero import ZeroAdamW, in_backward
 
 

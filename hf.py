@@ -22,7 +22,7 @@ model.py uses the names of Hugging Face's GPT2LMHeadModel (`transformer.h.0.attn
   causal mask (`attn.bias`, `attn.masked_bias`), a buffer rather than a weight, which is skipped.
 
 Import (`hf_config`, `read_hf_weights`, `load_hf`) renames and transposes every tensor into our
-layout, then each rank copies only its own slice (`parallel.take_shard`), so a model built for
+layout, then each rank copies only its own slice (`shard.take_shard`), so a model built for
 tensor parallelism starts from the same weights as one on a single device. Export (`export_hf`)
 takes the full fp32 tensors that `checkpoint.consolidate` rebuilds from a checkpoint of any layout, undoes
 the differences above, and writes a directory that `transformers.GPT2LMHeadModel.from_pretrained` loads.
@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from model import canonical_name
-from parallel import take_shard
+from shard import take_shard
 from storage import CheckpointError, read_safetensors, replace_atomically, write_safetensors
 
 # The weights Hugging Face stores transposed (Conv1D, (in, out)) relative to our nn.Linear ((out, in)).

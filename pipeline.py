@@ -37,7 +37,8 @@ from collections import defaultdict
 import torch
 
 import model as gpt
-from parallel import Grid, LayoutError, rank_layers
+from parallel import Grid, LayoutError
+from shard import rank_layers
 
 Op = tuple  # ("F" | "B", micro) or ("F" | "B", micro, chunk)
 

@@ -14,7 +14,7 @@ the GPT-2 tokenizer's file). A Hugging Face directory has its config.json, and t
 Any layout loads anywhere. `checkpoint.consolidate` rebuilds every full tensor from whatever wrote it
 (ZeRO's flat pieces, tensor-parallel slices, pipeline stages), and each process keeps the part its
 own layout needs (`checkpoint.local_part`): one process all of it; under torchrun with --tp and --pp,
-each rank its slices of its stage's layers, from the same `parallel.build_model` training uses.
+each rank its slices of its stage's layers, from the same `shard.build_model` training uses.
 
 One token at a time, with a KV cache (`GPT.generate`; across pipeline stages `pipeline.generate`
 runs the same loop on every stage in lockstep, so that every rank draws the same token):
@@ -58,6 +58,7 @@ import kernels
 import model as gpt
 import parallel
 import pipeline
+import shard
 import stability
 import storage
 import tokenizer
@@ -201,7 +202,7 @@ def build(source: Source, grid: parallel.Grid, precision: stability.Precision) -
         raise checkpoint.CorruptCheckpoint(f"{source.path}: an architecture this code does not know ({e})") from None
     cfg.attn = kernels.resolve_backend(grid.device, precision.compute or torch.float32, cfg.head_dim)
     # the initial values build_model draws are overwritten at once; seq_len 0: sampling splits no sequence
-    model = parallel.build_model(cfg, grid, seed=0, device=grid.device, seq_len=0)
+    model = shard.build_model(cfg, grid, seed=0, device=grid.device, seq_len=0)
     source.load_into(model)
     return model.eval()
 

@@ -53,6 +53,7 @@ import model as gpt
 import parallel
 import pipeline
 import rundir
+import shard
 import stability
 import stats
 import storage
@@ -154,7 +155,7 @@ def setup(cfg: config.TrainConfig) -> Run:
     device = grid.device
     per_rank = config.check_batch(cfg, grid)
     model_cfg = config.model_config(cfg)
-    parallel.check_layout(model_cfg, grid, cfg.seq_len)
+    shard.check_layout(model_cfg, grid, cfg.seq_len)
     rundir.check_out(out)
     parallel.connect(grid, cfg.timeout)
     lock, run_id = claim_out(cfg, grid)
@@ -172,7 +173,7 @@ def setup(cfg: config.TrainConfig) -> Run:
     if len(val) < cfg.eval_batches:
         grid.log(f"evaluation: {len(val)} batch{'es' if len(val) > 1 else ''} of {cfg.batch_size} sequences, all "
                  f"the validation split holds (--eval-batches {cfg.eval_batches} asked for more)")
-    model = parallel.build_model(model_cfg, grid, cfg.seed, device, cfg.seq_len)
+    model = shard.build_model(model_cfg, grid, cfg.seed, device, cfg.seq_len)
     if cfg.init_from:  # before the optimizer, so ZeRO's master weights start from these values
         hf.load_hf(model, Path(cfg.init_from))
     if cfg.compile:

@@ -1,7 +1,7 @@
 """Each tensor-parallel layer against its dense counterpart, forward and backward, on 2 gloo ranks.
 
 Every rank builds the dense layer from the same seed, builds the parallel layer from its slice
-(parallel.take_shard), runs the same input, and checks the output and every gradient (of the
+(shard.take_shard), runs the same input, and checks the output and every gradient (of the
 input, and of its weight slice) against the dense ones; with --sp the input and output are the
 rank's slice of the sequence.
 """
@@ -18,6 +18,7 @@ import torch.nn.functional as F
 import lmhead
 import model as gpt
 import parallel
+import shard
 
 B, T, C, V = 2, 8, 16, 384
 
@@ -46,12 +47,12 @@ def local_seq(x, grid, sp):
 
 def last_dim(x, spec):
     """The same cut as a weight's output rows, applied to the features of an activation."""
-    return parallel.take_shard(x, {**spec, "dim": x.dim() - 1})
+    return shard.take_shard(x, {**spec, "dim": x.dim() - 1})
 
 
 def materialize(module, full: dict[str, torch.Tensor]) -> None:
     for name, p in list(module.named_parameters()):
-        new = torch.nn.Parameter(parallel.take_shard(full[name], p.shard))
+        new = torch.nn.Parameter(shard.take_shard(full[name], p.shard))
         new.shard = p.shard
         setattr(module, name, new)
 
@@ -68,7 +69,7 @@ def check_linear(grid, kind, groups, sp):
         want_out = last_dim(dense(x), layer.weight.shard)  # output: this rank's columns, all positions
     else:
         layer = parallel.RowParallelLinear(d_in, d_out, grid)
-        x_local = parallel.take_shard(x, {"dim": 2, "index": grid.tp_rank, "count": grid.tp, "groups": 1})
+        x_local = shard.take_shard(x, {"dim": 2, "index": grid.tp_rank, "count": grid.tp, "groups": 1})
         x_local = x_local.detach().requires_grad_()  # input: this rank's features
         want_out = local_seq(dense(x), grid, sp)  # output: the full sum, for this rank's positions
     materialize(layer, {"weight": dense.weight.detach(), "bias": dense.bias.detach()})
@@ -78,13 +79,13 @@ def check_linear(grid, kind, groups, sp):
     dense(x).backward(g)
     g_local = last_dim(g, layer.weight.shard) if kind == "column" else local_seq(g, grid, sp)
     out.backward(g_local)
-    torch.testing.assert_close(layer.weight.grad, parallel.take_shard(dense.weight.grad, layer.weight.shard))
+    torch.testing.assert_close(layer.weight.grad, shard.take_shard(dense.weight.grad, layer.weight.shard))
     bias_grad = layer.bias.grad.clone()
     if kind == "row" and sp:  # each rank saw only its positions: partial, summed by finish_grads
         dist.all_reduce(bias_grad)
-    torch.testing.assert_close(bias_grad, parallel.take_shard(dense.bias.grad, layer.bias.shard))
+    torch.testing.assert_close(bias_grad, shard.take_shard(dense.bias.grad, layer.bias.shard))
     want_x_grad = local_seq(x.grad, grid, sp) if kind == "column" else \
-        parallel.take_shard(x.grad, {"dim": 2, "index": grid.tp_rank, "count": grid.tp, "groups": 1})
+        shard.take_shard(x.grad, {"dim": 2, "index": grid.tp_rank, "count": grid.tp, "groups": 1})
     torch.testing.assert_close(x_local.grad, want_x_grad, rtol=1e-5, atol=1e-6)
 
 
@@ -98,7 +99,7 @@ def check_embedding_and_loss(grid):
     g = torch.randn(B, T, C)
     dense(idx).backward(g)
     emb(idx).backward(g)
-    torch.testing.assert_close(emb.weight.grad, parallel.take_shard(dense.weight.grad, emb.weight.shard))
+    torch.testing.assert_close(emb.weight.grad, shard.take_shard(dense.weight.grad, emb.weight.shard))
 
     # the loss: the head's weight is the embedding's, the input replicated; chunks of 5 rows (of 16)
     lmhead.LOSS_CHUNK_BYTES = 5 * 4 * V // grid.tp
@@ -111,7 +112,7 @@ def check_embedding_and_loss(grid):
     (loss * 3).backward()
     (want * 3).backward()
     torch.testing.assert_close(x_local.grad, x.grad)  # the ranks' partial sums, all-reduced by f
-    torch.testing.assert_close(emb.weight.grad, parallel.take_shard(dense.weight.grad, emb.weight.shard))
+    torch.testing.assert_close(emb.weight.grad, shard.take_shard(dense.weight.grad, emb.weight.shard))
 
 
 @pytest.mark.parametrize("kind,groups,sp", [("column", 1, False), ("column", 3, False), ("column", 3, True),
@@ -128,16 +129,16 @@ def test_qkv_split_keeps_whole_heads():
     """groups=3: each rank gets its heads' rows of q, of k and of v, not a third of the stack."""
     full = torch.arange(12).view(12, 1)  # rows: q0 q1 q2 q3 | k0 k1 k2 k3 | v0 v1 v2 v3 (1 row per head)
     spec = {"dim": 0, "index": 1, "count": 2, "groups": 3}
-    assert parallel.take_shard(full, spec).flatten().tolist() == [2, 3, 6, 7, 10, 11]
-    parts = [parallel.take_shard(full, {**spec, "index": r}) for r in range(2)]
-    assert torch.equal(parallel.unshard(parts, spec), full)
+    assert shard.take_shard(full, spec).flatten().tolist() == [2, 3, 6, 7, 10, 11]
+    parts = [shard.take_shard(full, {**spec, "index": r}) for r in range(2)]
+    assert torch.equal(shard.unshard(parts, spec), full)
 
 
 def test_layouts_that_cannot_split_are_refused():
     cfg = gpt.GPTConfig(n_layer=2, n_head=5, n_embd=80, block_size=64, vocab_size=257)
     with pytest.raises(parallel.LayoutError, match="does not divide the padded vocabulary 384"):
-        parallel.check_layout(cfg, parallel.Grid(tp=5), seq_len=64)
+        shard.check_layout(cfg, parallel.Grid(tp=5), seq_len=64)
     with pytest.raises(parallel.LayoutError, match="does not divide the model's 5 attention heads"):
-        parallel.check_layout(cfg, parallel.Grid(tp=2), seq_len=64)
+        shard.check_layout(cfg, parallel.Grid(tp=2), seq_len=64)
     with pytest.raises(parallel.LayoutError, match="needs --tp 2 or more"):
-        parallel.check_layout(cfg, parallel.Grid(tp=1, sp=True), seq_len=64)
+        shard.check_layout(cfg, parallel.Grid(tp=1, sp=True), seq_len=64)
