@@ -18,8 +18,8 @@ exactly; numbers with a decimal point or an exponent (losses, norms, ratios) wit
 two numbers both below 1e-4 in magnitude (rounding noise, such as the difference between two layouts)
 count as equal.
 
-The numbers were recorded on the CI machine's environment (`REFERENCE`). On another (a GPU box with
-its own Python and PyTorch), the same commands train on the same bytes but round differently, and a
+The numbers were recorded on the CI machine's environment (`REFERENCE`). On another (a GPU box, or
+another Python or PyTorch), the same commands train on the same bytes but round differently, and a
 sampled token can flip: there the comparison keeps every line's words and drops its numbers and
 sampled text, so the check is the structure of the output, never skipped.
 """
@@ -38,13 +38,15 @@ from conftest import ROOT
 
 DOCS = sorted((ROOT / "lessons").glob("*.md")) + [ROOT / "README.md"]
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```\n?", re.S | re.M)
-REFERENCE = ("3.11", "2.13", "x86_64")  # python, torch, machine the shown outputs were recorded on
+REFERENCE = ("3.11", "2.13", "x86_64", "no GPU")  # python, torch, machine the shown outputs were recorded on
 MARK = "@@nanoscale-lesson-block@@"
 
 
-def environment() -> tuple[str, str, str]:
+def environment() -> tuple[str, str, str, str]:
+    """A GPU box is another machine even where Python and torch match: its CPU rounds the lessons'
+    CPU runs through other kernels (its torch is a CUDA build), so a sampled byte can differ."""
     return (f"{sys.version_info.major}.{sys.version_info.minor}", ".".join(torch.__version__.split(".")[:2]),
-            platform.machine())
+            platform.machine(), "GPU" if torch.cuda.is_available() else "no GPU")
 
 
 # ----------------------------------------------------------------------------- reading a lesson
