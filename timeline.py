@@ -56,8 +56,15 @@ class Clock:
         return event
 
     def seconds(self, a, b) -> float:
-        """From point a to point b."""
+        """From point a to point b (on a GPU, after `settle`)."""
         return a.elapsed_time(b) / 1e3 if self.cuda else b - a
+
+    def settle(self) -> None:
+        """Wait until every recorded point has happened: a CUDA event can be read only once the device has
+        passed it, and the optimizer's collectives (ZeRO's all-gathers) are still queued when the step's
+        host code returns. Called only on the steps that are read."""
+        if self.cuda:
+            torch.cuda.synchronize()
 
 
 @dataclass
@@ -142,6 +149,8 @@ class Recorder:
         """Launch-to-completion seconds per "collective group" since the last reset (call after the
         step: every collective has completed by then)."""
         out = defaultdict(float)
+        if self.comms:
+            self.clock.settle()
         for c in self.comms:
             if c.done is not None:
                 out[f"{c.op} {c.group}"] += self.clock.seconds(c.launch, c.done)
@@ -157,6 +166,7 @@ class Recorder:
         """This rank's step, in seconds from its time 0: plain data, for gathering to rank 0. On a CPU
         also the host and its monotonic clock at time 0, which every process on one machine shares."""
         self.spans_on, self.on = False, not self.clock.cuda
+        self.clock.settle()
         at = lambda point: self.clock.seconds(self.t0, point)
         return {"spans": [(name, at(a), at(b)) for name, a, b in self.spans],
                 "comms": [(c.op, c.group, list(c.members), c.nbytes, at(c.launch), at(c.done), c.blocking)
