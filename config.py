@@ -47,6 +47,9 @@ class TrainConfig:
                          shown="none: random init by (seed, name)")
     n_layer: int = arg(0, "transformer blocks; part of the architecture, so a checkpoint of another depth is "
                        "refused", at_least(0), shown="the preset's")
+    block_size: int = arg(0, "the model's context: rows of its learned position table, the longest --seq-len "
+                          "(longer than the preset's for long-context runs, lesson 14); part of the architecture, "
+                          "like --n-layer", at_least(0), shown="the preset's")
     seq_len: int = arg(0, "tokens per sequence", at_least(0), shown="the model's context on CUDA, 128 on CPU")
     dropout: float = arg(0.0, "dropout probability", (lambda v: 0 <= v < 1, "must be in [0, 1)"))
     attn: str = arg("auto", "attention backend", choices=list(kernels.BACKENDS),
@@ -171,10 +174,16 @@ def resolve_defaults(cfg: TrainConfig, device: torch.device, bf16_ok: bool = Tru
         _, n_head, n_embd, block = gpt.PRESETS[cfg.preset]
     if cfg.n_layer and cfg.init_from:
         raise ConfigError("--n-layer cannot change the depth of a Hugging Face model (--init-from); leave it out")
+    if cfg.block_size and cfg.init_from:
+        raise ConfigError("--block-size cannot change the position table of a Hugging Face model (--init-from, "
+                          f"{block} positions); leave it out")
+    block = cfg.block_size or block
     cfg.seq_len = cfg.seq_len or (block if cuda else min(block, 128))
     if cfg.seq_len > block:
+        longer = "" if cfg.init_from or cfg.block_size else \
+            f", or give the model a longer context: --block-size {cfg.seq_len}"
         raise ConfigError(f"--seq-len {cfg.seq_len} is longer than the {cfg.preset} model's context "
-                          f"({block} tokens); use --seq-len {block} or less")
+                          f"({block} tokens); use --seq-len {block} or less{longer}")
     cfg.batch_size = cfg.batch_size or (64 if cuda else 8)
     cfg.lr = cfg.lr or (6e-4 if cuda else 2e-3)
     cfg.min_lr = cfg.lr / 10 if cfg.min_lr < 0 else cfg.min_lr
@@ -261,9 +270,9 @@ def model_config(cfg: TrainConfig) -> gpt.GPTConfig:
     only the tokenizer's name, not its file, so a layout that cannot split it fails before any data."""
     vocab = VOCAB_SIZES[cfg.tokenizer]
     if not cfg.init_from:
-        depth = {"n_layer": cfg.n_layer} if cfg.n_layer else {}
+        shape = {k: v for k, v in (("n_layer", cfg.n_layer), ("block_size", cfg.block_size)) if v}
         return gpt.config_from_preset(cfg.preset, vocab, dropout=cfg.dropout, attn=cfg.attn,
-                                      recompute=cfg.recompute, **depth)
+                                      recompute=cfg.recompute, **shape)
     arch = hf.hf_config(Path(cfg.init_from))
     if arch["vocab_size"] != vocab:
         raise ConfigError(f"{cfg.init_from} has a vocabulary of {arch['vocab_size']} tokens but the {cfg.tokenizer} "

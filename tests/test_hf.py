@@ -62,3 +62,12 @@ def test_init_from_a_directory_that_is_not_a_model(corpus, tmp_path):
     result = run_train(corpus, tmp_path / "run", "--init-from", str(tmp_path), check=False)
     assert result.returncode == 2
     assert "no readable config.json" in result.stderr
+
+
+@pytest.mark.parametrize("flag", [["--n-layer", "4"], ["--block-size", "128"]])
+def test_the_shape_of_a_hugging_face_model_is_its_own(flag, corpus, tmp_path):
+    """--n-layer and --block-size change the architecture; an imported model's is fixed by its config.json."""
+    hf_model().save_pretrained(tmp_path / "hf")
+    result = run_train(corpus, tmp_path / "run", "--init-from", str(tmp_path / "hf"), *flag, check=False)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"{flag[0]} cannot change" in result.stderr and "(--init-from" in result.stderr

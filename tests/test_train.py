@@ -147,7 +147,27 @@ def test_batch_not_divisible_by_micro_batch(corpus, tmp_path):
 
 
 def test_sequence_longer_than_context(corpus, tmp_path):
-    assert "longer than the tiny model's context (64 tokens)" in bad_run(corpus, tmp_path, "--seq-len", "100")
+    line = bad_run(corpus, tmp_path, "--seq-len", "100")
+    assert "longer than the tiny model's context (64 tokens)" in line and "--block-size 100" in line
+    line = bad_run(corpus, tmp_path, "--seq-len", "100", "--block-size", "96")
+    assert "longer than the tiny model's context (96 tokens); use --seq-len 96 or less" in line
+    assert "--block-size 100" not in line
+
+
+def test_block_size_gives_a_longer_context(corpus, tmp_path):
+    """--block-size 128 on the tiny preset (64 positions): the run trains on 128-token sequences, its
+    checkpoint records the longer table (so sample.py rebuilds it), and a resume at the preset's context is
+    refused as another architecture."""
+    import checkpoint
+
+    flags = ["--seq-len", "128", "--block-size", "128", "--max-steps", "2", "--sample-tokens", "0"]
+    result = run_train(corpus, tmp_path, *flags)
+    assert "2 steps of 8 x 128 tokens" in result.stdout
+    state = checkpoint.consolidate(checkpoint.latest(tmp_path / "ckpt"))
+    assert state["transformer.wpe.weight"].shape == (128, 64)
+    refused = run_train(corpus, tmp_path, "--seq-len", "64", "--max-steps", "4", check=False)
+    assert refused.returncode == 2 and "incompatible run (model: checkpoint has" in refused.stderr
+    assert "'block_size': 128" in refused.stderr and "'block_size': 64" in refused.stderr
 
 
 def test_unknown_preset(corpus, tmp_path):
