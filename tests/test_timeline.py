@@ -58,3 +58,33 @@ def test_a_blocking_collective_inside_a_span_is_not_computing():
     assert timeline.summary(ranks, timeline.split_waiting(ranks))[1].split()[-1] == "0%"  # none of it hidden
     compute_row = timeline.draw(ranks, width=40).splitlines()[1]
     assert ":" in compute_row and compute_row.index("F") < compute_row.index(":") < compute_row.rindex("F")
+
+
+def test_cuda_events_are_read_only_after_the_device_has_passed_them(monkeypatch):
+    """On a GPU the points are CUDA events, and reading one the device has not reached raises (ZeRO's
+    all-gathers are still queued when the step's host code returns). A stand-in for torch.cuda whose
+    events refuse to be read before a synchronize: the recorder must synchronize first."""
+    synced = []
+
+    class Event:
+        def __init__(self, enable_timing: bool):
+            self.t = None
+
+        def record(self):
+            self.t, synced[:] = len(synced) + 1.0, []  # recorded: not passed until the next synchronize
+
+        def elapsed_time(self, end) -> float:
+            if not synced:
+                raise RuntimeError("CUDA error: device not ready")
+            return (end.t - self.t) * 1e3
+
+    monkeypatch.setattr(timeline.torch.cuda, "Event", Event)
+    monkeypatch.setattr(timeline.torch.cuda, "synchronize", lambda: synced.append(True))
+    recorder = timeline.Recorder(timeline.torch.device("cpu"))
+    recorder.clock.cuda = True
+    recorder.start(barrier=lambda: None)
+    with recorder.span("O"):
+        recorder.track(recorder.launch("all_gather", "dp", (0, 1), 64), None)
+    assert recorder.seconds() == {"all_gather dp": 0.0}  # launch and completion of a blocking call
+    record = recorder.stop()
+    assert [name for name, _, _ in record["spans"]] == ["O"] and len(record["comms"]) == 1
