@@ -50,16 +50,13 @@ moves less when N is large (its all-to-alls shrink as 1/N) but cannot go past th
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 
 from kernels import flash_backward, flash_forward, launch_config, unpack_qkv
 from model import Attention
-
-if TYPE_CHECKING:  # parallel.py builds the model from these layers; it imports this file, not the reverse
-    from parallel import Grid
+from parallel import Grid, peer_call
 
 KV, DKV = 1, 2  # message tags: keys/values and their gradients may cross between the same two ranks at once
 
@@ -230,7 +227,7 @@ def ring_pass(grid: Grid, messages: list[tuple]) -> list:
 
 def wait_all(works: list) -> None:
     for work in works:
-        work.wait()
+        peer_call(work.wait, what="ring attention's point-to-point over cp")
 
 
 class RingAttention(nn.Module):

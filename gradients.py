@@ -160,7 +160,7 @@ class GradSync:
         """ZeRO-2/3: wait for the oldest reduce-scatter in flight and add its shard to this rank's."""
         b, shard, work, _ = self.pending.popleft()  # the whole buffer (last item) is freed here
         if work is not None:
-            peer_call(work.wait)
+            peer_call(work.wait, what=self.grid.describe("the gradients' reduce_scatter", "dp_cp"))
         b.shard_grad += shard
 
     def finish(self) -> None:
@@ -174,7 +174,8 @@ class GradSync:
             self._receive()
         for b in self.buckets:
             if b.work is not None:
-                peer_call(b.work.wait)
+                op = "reduce_scatter" if self.zero else "all_reduce"
+                peer_call(b.work.wait, what=self.grid.describe(f"the gradients' {op}", "dp_cp"))
             if self.zero == 1:
                 b.shard_grad.copy_(b.shard)
             if self.zero:

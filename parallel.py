@@ -26,6 +26,7 @@ gradient norm) and formulas.py (what the papers predict, measured against what r
 """
 
 import os
+import re
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -47,16 +48,24 @@ class LayoutError(ValueError):
 
 
 class PeerError(RuntimeError):
-    """A collective failed: a peer died, hung past --timeout, or the network broke."""
+    """A collective failed: a peer died, hung past --timeout, or the network broke. `where`: this rank and
+    the call it was in (a group names its ranks: the peer that failed is among them); `detail`: the
+    backend's own words, one line."""
+
+    def __init__(self, where: str, detail: str):
+        super().__init__(f"{where}: {detail}")
+        self.where, self.detail = where, detail
 
 
-def peer_call(fn, *args, **kwargs):
+def peer_call(fn, *args, what: str = "a collective", **kwargs):
     """Run a torch.distributed call; turn its failure into one PeerError line."""
     try:
         return fn(*args, **kwargs)
     except RuntimeError as e:
-        lines = [ln for ln in str(e).splitlines() if ln.strip()] or [type(e).__name__]
-        raise PeerError(lines[0][:300]) from e
+        line = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+        line = re.sub(r"^\[[^\]]*:\d+\]\s*", "", line)  # gloo's source location, "[.../pair.cc:537] "
+        rank = f"rank {dist.get_rank()}, " if dist.is_initialized() else ""
+        raise PeerError(f"{rank}in {what}", line.split(". This is typically caused")[0][:300]) from e
 
 
 class Traffic:
@@ -206,7 +215,7 @@ class Grid:
 
     def barrier(self) -> None:
         if self.world > 1:
-            peer_call(dist.barrier)
+            peer_call(dist.barrier, what="a barrier of every rank")
 
     def rank0_first(self, fn):
         """Run fn on rank 0, then on the others (e.g. prepare data once, then read the cache)."""
@@ -232,12 +241,18 @@ class Grid:
         """The group's name in reports: the dp x cp group is plain "dp" when there is no context parallelism."""
         return "dp" if group == "dp_cp" and self.cp == 1 else group
 
+    def describe(self, op: str, group: str) -> str:
+        """'all_reduce over dp (ranks 0, 2)': a call named by its peers, for PeerError."""
+        m = self.members.get(group, ())
+        ranks = ", ".join(map(str, m)) if len(m) <= 8 else f"{m[0]}, {m[1]}, … {m[-1]}: {len(m)} ranks"
+        return f"{op} over {self.label(group)} (ranks {ranks})"
+
     def all_reduce(self, t: torch.Tensor, group: str, op=dist.ReduceOp.SUM, async_op: bool = False):
         if self.size(group) == 1:
             return None
         comm = self.traffic.add("all_reduce", self.label(group), t.numel() * t.element_size(), self.members[group])
         return self.traffic.time.track(comm, peer_call(dist.all_reduce, t, op=op, group=self.groups.get(group),
-                                                       async_op=async_op))
+                                                       async_op=async_op, what=self.describe("all_reduce", group)))
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group: str, async_op: bool = False):
         """out = concat over the group's ranks of inp, along dim 0."""
@@ -246,7 +261,7 @@ class Grid:
             return None
         comm = self.traffic.add("all_gather", self.label(group), out.numel() * out.element_size(), self.members[group])
         return self.traffic.time.track(comm, peer_call(all_gather_single, out, inp, group=self.groups.get(group),
-                                                       async_op=async_op))
+                                                       async_op=async_op, what=self.describe("all_gather", group)))
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group: str, async_op: bool = False):
         """out = this rank's dim-0 slice of the sum over the group of inp."""
@@ -256,7 +271,7 @@ class Grid:
         comm = self.traffic.add("reduce_scatter", self.label(group), inp.numel() * inp.element_size(),
                                 self.members[group])
         return self.traffic.time.track(comm, peer_call(reduce_scatter_single, out, inp, group=self.groups.get(group),
-                                                       async_op=async_op))
+                                                       async_op=async_op, what=self.describe("reduce_scatter", group)))
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, group: str) -> None:
         """out[r] = what rank r of the group sent this rank: its inp[this rank] (equal pieces along dim 0)."""
@@ -264,7 +279,8 @@ class Grid:
             out.copy_(inp)
             return
         comm = self.traffic.add("all_to_all", self.label(group), inp.numel() * inp.element_size(), self.members[group])
-        self.traffic.time.track(comm, peer_call(dist.all_to_all_single, out, inp, group=self.groups.get(group)))
+        self.traffic.time.track(comm, peer_call(dist.all_to_all_single, out, inp, group=self.groups.get(group),
+                                                  what=self.describe("all_to_all", group)))
 
     def send_recv(self, sends: list[tuple], recvs: list[tuple], group: str = "pp", wait: bool = True):
         """Point-to-point, posted together so that paired sends and receives cannot deadlock. Each item
@@ -282,11 +298,13 @@ class Grid:
         peers = tuple(sorted({self.rank, *(peer for _, peer, *_ in sends + recvs)}))
         comm = self.traffic.time.launch("p2p", self.label(group), peers, sum(t.numel() * t.element_size()
                                                                               for t, *_ in sends))
-        works = [self.traffic.time.track(comm, work) for work in peer_call(dist.batch_isend_irecv, ops)]
+        what = f"point-to-point with rank{'s' if len(peers) > 2 else ''} " + ", ".join(
+            str(r) for r in peers if r != self.rank)
+        works = [self.traffic.time.track(comm, work) for work in peer_call(dist.batch_isend_irecv, ops, what=what)]
         if not wait:
             return works
         for work in works:
-            peer_call(work.wait)
+            peer_call(work.wait, what=what)
         return []
 
     def __str__(self) -> str:

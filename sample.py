@@ -43,7 +43,6 @@ errors, go to stderr. Only rank 0 prints.
 
 import codecs
 import json
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -297,7 +296,7 @@ def main(argv=None) -> None:
             SampleError) as e:
         cli.stop_every_rank(str(e))  # every rank reads the same flags and files: said once
     except parallel.PeerError as e:
-        print(f"error: rank {os.environ.get('RANK', '0')}: a peer process failed or timed out ({e})", file=sys.stderr)
+        print(f"error: {e.where}: a peer process failed or timed out ({e.detail})", file=sys.stderr)
         sys.exit(3)
     finally:
         parallel.shutdown()

@@ -552,8 +552,8 @@ def main(argv=None) -> None:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except parallel.PeerError as e:  # a dead or hung peer: one line instead of a traceback wall
-        print(f"error: a peer process failed or timed out ({e}); a restart resumes from the last "
-              "complete checkpoint in --out", file=sys.stderr)
+        print(f"error: {e.where}: a peer process failed or timed out ({e.detail}); a restart resumes from the "
+              "last complete checkpoint in --out", file=sys.stderr)
         sys.exit(3)
     finally:
         parallel.shutdown()

@@ -223,7 +223,7 @@ class ParamGather:
         full, work = u.gathering
         landed = work is None or work.is_completed()  # already there: the gather was hidden entirely
         if work is not None:
-            peer_call(work.wait)
+            peer_call(work.wait, what=self.grid.describe("ZeRO-3's all_gather of weights", "dp_cp"))
         u.full, u.gathering = full, None
         for p, view in u.views(full):
             p.data = view

@@ -289,8 +289,11 @@ def test_a_dead_rank_stops_the_others_with_a_clear_error(corpus, tmp_path):
     assert procs[1].returncode == -9  # the injected SIGKILL
     assert procs[0].returncode != 0
     assert time.monotonic() - start < 60
-    assert "error: a peer process failed or timed out" in err, err[-3000:]
-    assert "Traceback" not in err
+    # it names this rank and the call it was in, whose group holds the dead peer, then the backend's words
+    line = next(ln for ln in err.splitlines() if ln.startswith("error:"))
+    assert line.startswith("error: rank 0, in ") and ": a peer process failed or timed out (" in line, line
+    assert "over dp (ranks 0, 1)" in line or "a barrier of every rank" in line, line
+    assert "Traceback" not in err and "This is typically caused" not in err and ".cc:" not in line
 
 
 def test_zero1_with_bf16_parameters_and_async_sharded_checkpoints(corpus, tmp_path):
