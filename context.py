@@ -108,9 +108,12 @@ def block_attention(q, k, v, causal: bool, kernel: bool):
     if kernel:
         o, lse2 = flash_forward(q, k, v, launch_config(q.size(-1), q.dtype), causal=causal)
         return o.float(), lse2 * math.log(2)  # the kernel works in base 2
-    s = scores(q, k, causal)  # (B, H, Tq, Tk), fp32 (fp64 for fp64 inputs)
-    lse = s.logsumexp(-1)
-    return torch.exp(s - lse[..., None]) @ v.to(s.dtype), lse
+    # fp32 even under autocast, which would run these matmuls in 16 bits: the backward rebuilds P in fp32
+    # from this log-sum-exp, and the two must agree
+    with torch.autocast(q.device.type, enabled=False):
+        s = scores(q, k, causal)  # (B, H, Tq, Tk), fp32 (fp64 for fp64 inputs)
+        lse = s.logsumexp(-1)
+        return torch.exp(s - lse[..., None]) @ v.to(s.dtype), lse
 
 
 def block_attention_backward(q, k, v, out, lse, dout, causal: bool, kernel: bool):
@@ -120,11 +123,12 @@ def block_attention_backward(q, k, v, out, lse, dout, causal: bool, kernel: bool
         grads = flash_backward(q, k, v, out, (lse / math.log(2)).contiguous(), dout,
                                launch_config(q.size(-1), q.dtype), causal=causal)
         return [g.float() for g in grads]
-    p = torch.exp(scores(q, k, causal) - lse[..., None])  # (B, H, Tq, Tk)
-    q, k, v, out, dout = (x.to(p.dtype) for x in (q, k, v, out, dout))
-    delta = (dout * out).sum(-1, keepdim=True)  # rowsum(dO * O) = rowsum(P * dP)
-    ds = p * (dout @ v.transpose(-2, -1) - delta) / math.sqrt(q.size(-1))  # dS, times the scores' scale
-    return ds @ k, ds.transpose(-2, -1) @ q, p.transpose(-2, -1) @ dout
+    with torch.autocast(q.device.type, enabled=False):  # fp32, as the forward, whatever the caller's autocast
+        p = torch.exp(scores(q, k, causal) - lse[..., None])  # (B, H, Tq, Tk)
+        q, k, v, out, dout = (x.to(p.dtype) for x in (q, k, v, out, dout))
+        delta = (dout * out).sum(-1, keepdim=True)  # rowsum(dO * O) = rowsum(P * dP)
+        ds = p * (dout @ v.transpose(-2, -1) - delta) / math.sqrt(q.size(-1))  # dS, times the scores' scale
+        return ds @ k, ds.transpose(-2, -1) @ q, p.transpose(-2, -1) @ dout
 
 
 def scores(q, k, causal: bool) -> torch.Tensor:

@@ -30,16 +30,22 @@ from parallel import Grid, LayoutError
 from shard import rank_layers
 from zero import ZeroAdamW, in_backward
 
+# Datasheet peaks, dense: 16-bit tensor cores, and fp32 without them (what a matmul in fp32 runs at unless
+# TF32 is allowed, which PyTorch does not do by default; TF32 runs at half the 16-bit rate).
+GPU_PEAKS = {"H200": (989e12, 67e12), "H100": (989e12, 67e12), "A100": (312e12, 19.5e12),
+             "L40S": (362e12, 91.6e12), "A10": (125e12, 31.2e12), "4090": (165e12, 82.6e12),
+             "3090": (71e12, 35.6e12), "V100": (125e12, 15.7e12), "T4": (65e12, 8.1e12)}
+
 
 def peak_flops(device: torch.device, precision: str) -> float:
-    """Peak dense FLOP/s, the denominator of MFU: a table for GPUs (16-bit tensor cores; TF32 for
-    fp32), a measured fp32 matmul rate on CPU."""
+    """Peak dense FLOP/s, the denominator of MFU: the datasheet's for a GPU in the precision the matmuls
+    really run in; a measured fp32 matmul rate on CPU."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        table = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12,
-                 "4090": 165e12, "3090": 71e12, "V100": 125e12, "T4": 65e12}
-        peak = next((v for k, v in table.items() if k in name), 312e12)
-        return peak / 2 if precision == "fp32" else peak
+        half, single = next((v for k, v in GPU_PEAKS.items() if k in name), GPU_PEAKS["A100"])
+        if precision != "fp32":
+            return half
+        return half / 2 if torch.get_float32_matmul_precision() != "highest" else single  # TF32, or not
     return measured_matmul_flops()
 
 
@@ -254,12 +260,12 @@ def state_formula(model: torch.nn.Module, opt, sync: GradSync | None, grid: Grid
 
 def activation_bytes(seq_len: int, micro_batch: int, d_model: int, n_head: int, tp: int = 1, sp: bool = False,
                      recompute: str = "none", attn: str = "flash", act_bytes: int = 2, mask_bytes: int = 1,
-                     dropout: float = 0.0) -> float:
+                     dropout: float = 0.0, norm_bytes: int | None = None) -> float:
     """The activation-memory model of this codebase: bytes one layer of `model.py` saves for its
     backward, per micro-batch, on one tensor-parallel rank. `plan()`, `--memory-report` and the
     lessons all use it (measured on the tiny model: SavedActivations, tests/test_model.py). In
     elements of `act_bytes`, per layer:
-        the two LayerNorms' inputs                                                    2 s b h   (/t under SP)
+        the two LayerNorms' inputs, of `norm_bytes` each (see below)                  2 s b h   (/t under SP)
         their outputs, as c_attn and c_fc keep them (under SP: after the all-gather)    2 s b h
         q, k, v (the attention's saved input) 3, the attention output (c_proj's input,
         the same buffer) 1, GELU's input 4 and output 4 (the MLP is 4h wide)         12 s b h / t
@@ -267,7 +273,10 @@ def activation_bytes(seq_len: int, micro_batch: int, d_model: int, n_head: int, 
         dropout masks (dropout > 0), two residual dropouts of `mask_bytes` per element   2 s b h   (/t under SP)
           (CUDA's fused dropout keeps a 1-byte mask; the CPU's keeps it in the activations' dtype)
     So in bf16 with a flash kernel and no dropout, 32 s b h bytes (16 elements), whatever the
-    sequence length. `recompute`:
+    sequence length. A LayerNorm keeps its input in the residual stream's dtype, which is the
+    parameters' (fp32 unless ZeRO keeps them in 16 bits: the embedding starts the stream), and on CUDA
+    always in fp32, where autocast runs layer_norm in fp32 and it keeps the fp32 copy it was given:
+    `norm_bytes` (default `act_bytes`). `recompute`:
         none       all of the above
         selective  drops the probabilities (and the kernels' logsumexp): with a flash kernel that is
                    all it can drop, so it saves nothing here but costs nearly nothing either
@@ -283,7 +292,7 @@ def activation_bytes(seq_len: int, micro_batch: int, d_model: int, n_head: int, 
     replicated = s * b * h / t if sp else s * b * h  # what tensor parallelism alone does not split
     if recompute == "full":
         return replicated * act_bytes
-    saved = act_bytes * (2 * replicated + 2 * s * b * h + 12 * s * b * h / t)
+    saved = (norm_bytes or act_bytes) * 2 * replicated + act_bytes * (2 * s * b * h + 12 * s * b * h / t)
     saved += act_bytes * a * s * s * b / t if attn == "math" and recompute != "selective" else 0
     return saved + (2 * replicated * mask_bytes if dropout > 0 else 0)
 
@@ -303,10 +312,11 @@ def korthikanti_bytes(seq_len: int, micro_batch: int, d_model: int, n_head: int,
 
 
 def activation_formula(cfg: gpt.GPTConfig, seq_len: int, micro_batch: int, tp: int, sp: bool, recompute: str,
-                       attn: str, act_bytes: int, mask_bytes: int = 1) -> tuple[float, float]:
+                       attn: str, act_bytes: int, mask_bytes: int = 1,
+                       norm_bytes: int | None = None) -> tuple[float, float]:
     """(activation_bytes, korthikanti_bytes) of one layer of the model `cfg` describes, per micro-batch."""
     ours = activation_bytes(seq_len, micro_batch, cfg.n_embd, cfg.n_head, tp, sp, recompute, attn, act_bytes,
-                            mask_bytes, cfg.dropout)
+                            mask_bytes, cfg.dropout, norm_bytes)
     return ours, korthikanti_bytes(seq_len, micro_batch, cfg.n_embd, cfg.n_head, tp, sp, recompute)
 
 
@@ -314,8 +324,10 @@ class SavedActivations:
     """Counts, on any device, the bytes autograd saves for the backward during the first forward of
     this rank's blocks: every tensor packed while a block runs, plus a block's input wherever it is
     saved (--recompute full saves it outside the block). Weights are not activations (their storage
-    is a parameter's); views of one buffer count once. On a GPU, `allocated` is the allocator's view of
-    the same span: the bytes still held after the blocks' forward that were not held before it."""
+    is a parameter's), nor are autocast's copies of them in the compute dtype (cached for the whole
+    step, so weight memory: `weight_copy`); views of one buffer count once. On a GPU, `allocated` is the
+    allocator's view of the same span: the bytes still held after the blocks' forward that were not held
+    before it."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device):
         self.blocks, self.device = list(model.transformer.h.children()), device  # (a stage holds a ModuleDict)
@@ -341,7 +353,9 @@ class SavedActivations:
         if self.counting:
             self.inside = True
             self.inputs.add(args[0].untyped_storage().data_ptr())
-            self.weights |= {p.untyped_storage().data_ptr() for p in module.parameters()}
+            # by storage object, not address: ZeRO-3 frees a block's weights after its forward, and the
+            # next activations may be allocated at the address they had
+            self.weights |= {p.untyped_storage()._cdata for p in module.parameters()}
             if self.calls == 1 and self.device.type == "cuda":
                 self.allocated = -torch.cuda.memory_allocated(self.device)
 
@@ -357,7 +371,7 @@ class SavedActivations:
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         ptr = t.untyped_storage().data_ptr()
         if self.counting and not in_backward() and (self.inside or ptr in self.inputs):
-            if ptr not in self.weights:
+            if t.untyped_storage()._cdata not in self.weights and not weight_copy(t):
                 self.saved[ptr] = t.untyped_storage().nbytes()
         if not self.inside and self.calls >= len(self.blocks):
             self.counting = False  # past the blocks: a freed input's address may be reused from here on
@@ -366,6 +380,20 @@ class SavedActivations:
     @property
     def per_layer(self) -> float:
         return sum(self.saved.values()) / len(self.blocks)
+
+
+def weight_copy(t: torch.Tensor) -> bool:
+    """Is t a parameter seen through casts and views only (autocast's bf16 copy of a weight, its
+    transpose)? Followed down its autograd graph while each step has a single input."""
+    fn = t.grad_fn
+    for _ in range(4):
+        if fn is None or hasattr(fn, "variable"):  # a leaf's AccumulateGrad holds the leaf
+            return fn is not None and isinstance(fn.variable, torch.nn.Parameter)
+        inputs = [f for f, _ in fn.next_functions if f is not None]
+        if len(inputs) != 1:
+            return False
+        fn = inputs[0]
+    return False
 
 
 def memory_report(state: dict[str, int], formula: dict, acts: SavedActivations, predicted: tuple[float, float],

@@ -88,9 +88,11 @@ def memory_report(run) -> str:
     if run.gather is not None and not run.gather.all_free():
         raise RuntimeError("ZeRO-3 left weights gathered after the step")  # a leak the report would hide
     elem = (stability.PRECISIONS[cfg.precision].compute or torch.float32).itemsize
+    cuda = run.device.type == "cuda"
+    residual = next(run.model.parameters()).dtype.itemsize  # the stream the LayerNorms read (activation_bytes)
     predicted = formulas.activation_formula(run.model_cfg, cfg.seq_len // grid.cp, cfg.micro_batch_size, grid.tp,
-                                            grid.sp, cfg.recompute, cfg.attn, elem,
-                                            1 if run.device.type == "cuda" else elem)
+                                            grid.sp, cfg.recompute, cfg.attn, elem, 1 if cuda else elem,
+                                            4 if cuda else residual)
     text = formulas.memory_report(run.memory["state"], formulas.state_formula(run.model, run.opt, run.sync, grid),
                                   run.memory["activations"], predicted, grid, cfg.zero, cfg.recompute)
     if grid.world == 1:

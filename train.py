@@ -182,7 +182,8 @@ def setup(cfg: config.TrainConfig) -> Run:
         sync = gradients.GradSync(model, grid, cfg.bucket_mb, overlap=not cfg.no_overlap, zero=cfg.zero,
                                   units=zero.units(model) if cfg.zero == 3 else None)
     opt = make_optimizer(model, cfg, device, sync)
-    gather = zero.ParamGather(model, sync, grid) if cfg.zero == 3 else None  # after the optimizer sharded the weights
+    # ZeRO-3's weights, gathered around each use: after the optimizer has sharded them
+    gather = zero.ParamGather(model, sync, grid, compiled=cfg.compile) if cfg.zero == 3 else None
     stages = pipeline.Pipeline(model, grid, cfg.pp_schedule, grad_sync=sync) if grid.pp > 1 else None
     if stages and (warning := formulas.pipeline_warning(grid.pp, per_rank // cfg.micro_batch_size, grid.vp)):
         grid.log(warning)

@@ -27,6 +27,13 @@ so at most two units are whole at once, and each all-gather is in flight while t
 computes. Between uses a parameter keeps its shape but not its values (`placeholder`: one element,
 broadcast), so code that only asks for shapes works, and a write to it fails loudly.
 
+Freeing must free the memory, not just the name. Autograd keeps what a matmul's backward needs: for
+y = x Wᵀ that includes a view of W, so of the unit's gathered buffer. Dropping our reference would leave
+that view holding the whole buffer until the backward, every block's at once: more memory than no
+ZeRO. So each unit has one buffer for the whole run, and freeing shrinks its storage to zero bytes
+(`untyped_storage().resize_(0)`); the gather before the backward grows it again and all-gathers into the
+same storage, where autograd's views find the weights once more (FSDP does the same).
+
 The embeddings' unit is used twice per forward (the tied wte is also the output layer): gathered for
 the embedding, freed, gathered again for the head and kept through the backward, which ends in the
 embedding again. Two gathers per forward and backward, like every other unit: 1.5x, exactly.
@@ -175,23 +182,28 @@ class ParamGather:
     next unit's, and free them after (see the module docstring). GradSync's reduce-scatter of a
     unit's gradients (`on_reduced`) frees the weights after the backward."""
 
-    def __init__(self, model: torch.nn.Module, sync: GradSync, grid: Grid):
+    def __init__(self, model: torch.nn.Module, sync: GradSync, grid: Grid, compiled: bool = False):
         self.grid, self.sync = grid, sync
         self.units: list[Bucket] = sync.buckets[::-1]  # forward order: root, block 0, block 1, ...
-        for u in self.units:
+        for u in self.units:  # full: the unit's weights when whole; buffer: their storage, kept for the run
             u.full, u.gathering = None, None
+            u.buffer = torch.empty(u.padded, dtype=u.param_shard.dtype, device=u.device)
+            u.buffer.untyped_storage().resize_(0)
         self.events: list[tuple[str, int, float]] = []  # (what, unit, seconds): the prefetch, measured
         t, last = model.transformer, len(self.units) - 1
+        # A compiled module runs its hooks inside its compiled call: gathering and freeing (collectives,
+        # storage, bookkeeping) stay out of the graph, or torch.compile would trace them once per shape.
+        eager = torch.compiler.disable if compiled else (lambda hook: hook)
         # root: gathered for the embedding and freed after it (wte and wpe run, then dropout), then
         # gathered again for the head; in training kept through the backward until reduce-scattered
-        t.wte.register_forward_pre_hook(lambda m, args: self.use(0, prefetch=1))
-        t.drop.register_forward_hook(lambda m, args, out: self.free(0))
-        t.ln_f.register_forward_pre_hook(lambda m, args: self.use(0, prefetch=None))
+        t.wte.register_forward_pre_hook(eager(lambda m, args: self.use(0, prefetch=1)))
+        t.drop.register_forward_hook(eager(lambda m, args, out: self.free(0)))
+        t.ln_f.register_forward_pre_hook(eager(lambda m, args: self.use(0, prefetch=None)))
         for module in (model.loss, model.lm_head):
-            module.register_forward_hook(self._after_head)
+            module.register_forward_hook(eager(self._after_head))
         for i, block in enumerate(t.h, start=1):
-            block.register_forward_pre_hook(lambda m, args, i=i: self.use(i, prefetch=self._next(i)))
-            block.register_forward_hook(lambda m, args, out, i=i: self._after_block(i, out))
+            block.register_forward_pre_hook(eager(lambda m, args, i=i: self.use(i, prefetch=self._next(i))))
+            block.register_forward_hook(eager(lambda m, args, out, i=i: self._after_block(i, out)))
         sync.on_reduced = lambda b: self.free(self.units.index(b))
         self.last = last
 
@@ -212,7 +224,8 @@ class ParamGather:
         u = self.units[i]
         if u.full is not None or u.gathering is not None:
             return
-        full = torch.empty(u.padded, dtype=u.param_shard.dtype, device=u.device)
+        full = u.buffer
+        full.untyped_storage().resize_(u.padded * full.element_size())  # back from 0 bytes (see above)
         u.gathering = full, self.grid.all_gather(full, u.param_shard, "dp_cp", async_op=True)
         self.record("gather", i)
 
@@ -243,6 +256,7 @@ class ParamGather:
         u.full = None
         for p in u.params:
             p.data = placeholder(p.shape, u.param_shard.dtype, u.device)
+        u.buffer.untyped_storage().resize_(0)  # the memory itself, under autograd's views too
         self.record("free", i)
 
     def _after_block(self, i: int, out: torch.Tensor):

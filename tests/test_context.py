@@ -129,3 +129,19 @@ def test_positions_give_every_rank_an_early_and_a_late_chunk():
         held = [context.positions(T, cp, r) for r in range(cp)]
         assert sorted(torch.cat(held).tolist()) == list(range(T))
         assert len({int((p + 1).sum()) for p in held}) == 1
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_block_math_is_fp32_under_autocast(causal):
+    """Without the kernel, a ring block is computed in fp32 even inside the bf16 autocast that train.py
+    runs the forward in: its log-sum-exp must be the one the backward (never autocast) rebuilds P from.
+    Bitwise the results outside autocast (under it, matmuls in bf16 put the log-sum-exp ~0.06 off)."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(1, 2, 8, 16, generator=gen).to(torch.bfloat16) for _ in range(4))
+    plain = context.block_attention(q, k, v, causal, kernel=False)
+    with torch.autocast("cpu", torch.bfloat16):
+        autocast = context.block_attention(q, k, v, causal, kernel=False)
+        grads = context.block_attention_backward(q, k, v, plain[0], plain[1], dout, causal, kernel=False)
+    assert all(torch.equal(a, b) and a.dtype == torch.float32 for a, b in zip(autocast, plain))
+    plain_grads = context.block_attention_backward(q, k, v, plain[0], plain[1], dout, causal, kernel=False)
+    assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads))

@@ -309,3 +309,49 @@ def test_zero1_with_bf16_parameters_and_async_sharded_checkpoints(corpus, tmp_pa
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.3
     weights = final_weights(tmp_path)  # the fp32 masters, reassembled from both ranks' shards
     assert all(w.dtype == torch.float32 for w in weights.values())
+
+
+def test_zero3_frees_a_blocks_weights_even_while_autograd_holds_views_of_them():
+    """A matmul saves a view of its weight for the backward, so of the unit's gathered buffer: freeing
+    must return the buffer's memory anyway, or every block's weights would stay whole from its forward
+    to its backward. After the forward, what autograd holds is the activations of a model without ZeRO
+    plus the embeddings' unit (whole until the head's backward), not a byte of any block's weights; the
+    backward gathers them again where autograd's views find them, and its gradients are the dense
+    model's (one process: the math alone)."""
+    import gradients
+    import model as gpt
+    import zero
+
+    cfg = gpt.GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=64, vocab_size=256, attn="math")
+    model, dense = gpt.build(cfg, seed=0), gpt.build(cfg, seed=0)
+    grid = parallel.Grid()
+    sync = gradients.GradSync(model, grid, zero=3, units=zero.units(model))
+    zero.ZeroAdamW(sync, 1e-3)
+    gather = zero.ParamGather(model, sync, grid)
+    idx = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
+
+    def forward_holding(m, skip):
+        """The loss, and the bytes of the distinct storages autograd saved, less those in `skip`."""
+        saved = {}
+
+        def pack(t):
+            saved[t.untyped_storage()._cdata] = t.untyped_storage()  # as it is now; its size, when asked
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = m(idx[:, :-1], idx[:, 1:])[1]
+        return loss, sum(s.nbytes() for k, s in saved.items() if k not in skip)
+
+    loss, held = forward_holding(model, skip=set())
+    dense_loss, activations = forward_holding(dense, skip={p.untyped_storage()._cdata for p in dense.parameters()})
+    root = sum(p.numel() for p in zero.units(dense)[0]) * 4
+    assert held <= activations + root, (held, activations, root)  # before the fix: +400 KB, both blocks
+    loss.backward()
+    sync.finish()
+    dense_loss.backward()
+    assert loss.item() == dense_loss.item() and gather.all_free()
+    for b in sync.buckets:
+        for p, off, a, z in b.parts(0, b.padded):
+            name = next(n for n, q in model.named_parameters() if q is p)
+            want = dict(dense.named_parameters())[name].grad.flatten()[a - off:z - off]
+            torch.testing.assert_close(b.shard_grad[a:z], want, rtol=1e-6, atol=1e-7)

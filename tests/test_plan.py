@@ -308,3 +308,14 @@ def test_pipeline_warning_when_the_bubble_exceeds_its_threshold(pp, m, vp, warns
     if warns:
         assert line.startswith(f"warning: {m} micro-batches for {pp} stages") and "%" in line
     assert formulas.pipeline_warning(pp, 4 * pp, vp) is None
+
+
+def test_mfu_denominator_is_the_rate_the_matmuls_run_at(monkeypatch):
+    """On a GPU (a name only here: nothing runs on it): the 16-bit tensor-core peak for bf16 and fp16;
+    for fp32 the plain fp32 peak, unless TF32 is allowed (then half the 16-bit rate)."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    cuda = torch.device("cuda")
+    assert formulas.peak_flops(cuda, "bf16") == formulas.peak_flops(cuda, "fp16") == 989e12
+    assert formulas.peak_flops(cuda, "fp32") == 67e12  # PyTorch's default: "highest", no TF32
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")
+    assert formulas.peak_flops(cuda, "fp32") == 989e12 / 2
