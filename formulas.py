@@ -192,7 +192,9 @@ def overlap_report(sync: GradSync) -> str:
     done = next(t for what, _, t in events if what == "backward done")
     launches = [(i, t) for what, i, t in events if what == "launch"]
     early = sum(1 for _, t in launches if t < done)
-    lines = [f"gradient buckets: {len(sync.buckets)}; launched before the backward finished: {early}"]
+    host = " (host time: on a GPU, when issued; --print-timeline has the device's)" \
+        if sync.grid.device.type == "cuda" else ""
+    lines = [f"gradient buckets: {len(sync.buckets)}; launched before the backward finished: {early}{host}"]
     for i, t in launches:
         lines.append(f"  bucket {i}: launched {1e3 * (t - done):+8.2f} ms from the end of the backward")
     return "\n".join(lines)

@@ -293,4 +293,6 @@ class ParamGather:
         early = [i for i in spans if ("ready (landed early)", i + 1) in first
                  and first[("ready (landed early)", i + 1)] == first[("ready", i + 1)]]
         return (f"ZeRO-3 prefetch: the next unit's all-gather was in flight while the block computed for "
-                f"{len(spans)} of {len(blocks)} blocks; already complete when needed: {len(early)} (first forward)")
+                f"{len(spans)} of {len(blocks)} blocks; already complete when needed: {len(early)} (first forward"
+                + ("; host time: on a GPU, when issued and when seen complete)" if self.grid.device.type == "cuda"
+                   else ")"))
