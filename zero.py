@@ -185,8 +185,8 @@ class ParamGather:
     def __init__(self, model: torch.nn.Module, sync: GradSync, grid: Grid, compiled: bool = False):
         self.grid, self.sync = grid, sync
         self.units: list[Bucket] = sync.buckets[::-1]  # forward order: root, block 0, block 1, ...
-        for u in self.units:  # full: the unit's weights when whole; buffer: their storage, kept for the run
-            u.full, u.gathering = None, None
+        for u in self.units:  # state: free, gathering or whole; buffer: the weights' storage, kept for the run
+            u.state, u.work = "free", None
             u.buffer = torch.empty(u.padded, dtype=u.param_shard.dtype, device=u.device)
             u.buffer.untyped_storage().resize_(0)
         self.events: list[tuple[str, int, float]] = []  # (what, unit, seconds): the prefetch, measured
@@ -222,23 +222,21 @@ class ParamGather:
     def gather(self, i: int) -> None:
         """Start the all-gather of unit i's weights (asynchronous), unless it is whole or on its way."""
         u = self.units[i]
-        if u.full is not None or u.gathering is not None:
+        if u.state != "free":
             return
-        full = u.buffer
-        full.untyped_storage().resize_(u.padded * full.element_size())  # back from 0 bytes (see above)
-        u.gathering = full, self.grid.all_gather(full, u.param_shard, "dp_cp", async_op=True)
+        u.buffer.untyped_storage().resize_(u.padded * u.buffer.element_size())  # back from 0 bytes (see above)
+        u.state, u.work = "gathering", self.grid.all_gather(u.buffer, u.param_shard, "dp_cp", async_op=True)
         self.record("gather", i)
 
     def wait(self, i: int) -> None:
         u = self.units[i]
-        if u.gathering is None:
+        if u.state != "gathering":
             return
-        full, work = u.gathering
-        landed = work is None or work.is_completed()  # already there: the gather was hidden entirely
-        if work is not None:
-            peer_call(work.wait, what=self.grid.describe("ZeRO-3's all_gather of weights", "dp_cp"))
-        u.full, u.gathering = full, None
-        for p, view in u.views(full):
+        landed = u.work is None or u.work.is_completed()  # already there: the gather was hidden entirely
+        if u.work is not None:
+            peer_call(u.work.wait, what=self.grid.describe("ZeRO-3's all_gather of weights", "dp_cp"))
+        u.state, u.work = "whole", None
+        for p, view in u.views(u.buffer):
             p.data = view
         self.record("ready" if not landed else "ready (landed early)", i)
 
@@ -253,7 +251,7 @@ class ParamGather:
     def free(self, i: int) -> None:
         u = self.units[i]
         self.wait(i)  # a gather in flight writes into its buffer: let it land first
-        u.full = None
+        u.state = "free"
         for p in u.params:
             p.data = placeholder(p.shape, u.param_shard.dtype, u.device)
         u.buffer.untyped_storage().resize_(0)  # the memory itself, under autograd's views too
@@ -277,7 +275,7 @@ class ParamGather:
 
     def all_free(self) -> bool:
         """Is every unit back to its shard (as between steps it must be)?"""
-        return all(u.full is None and u.gathering is None for u in self.units)
+        return all(u.state == "free" for u in self.units)
 
     def prefetch_report(self) -> str:
         """From the first forward: for how many blocks the next unit's all-gather was launched before
