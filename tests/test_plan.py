@@ -1,4 +1,4 @@
-"""formulas.plan: the paper estimates of lesson 12, held to model.py and to published figures."""
+"""planner.plan: the paper estimates of lesson 12, held to model.py and to published figures."""
 
 import pytest
 import torch
@@ -7,6 +7,7 @@ import formulas
 import model as gpt
 import parallel
 import pipeline
+import planner
 
 GB = 1e9
 
@@ -16,7 +17,7 @@ def test_parameters_and_flops_are_model_pys(preset):
     cfg = gpt.config_from_preset(preset, 50257)
     with torch.device("meta"):
         m = gpt.GPT(cfg)
-    p = formulas.plan(cfg.n_layer, cfg.n_head, cfg.n_embd, 50257, cfg.block_size, batch=8, n_gpus=1)
+    p = planner.plan(cfg.n_layer, cfg.n_head, cfg.n_embd, 50257, cfg.block_size, batch=8, n_gpus=1)
     assert p["params"] == gpt.count_params(m)  # gpt2: 124,475,904 with the vocabulary padded to 50304
     assert p["flops_per_token"] == gpt.flops_per_token(cfg, cfg.block_size)
 
@@ -44,7 +45,7 @@ def megatron_teraflops(p: dict, heads: int, hidden: int, layers: int, batch: int
 
 @pytest.mark.parametrize("billions,heads,hidden,layers", [row[:4] for row in MEGATRON_TABLE_1])
 def test_megatron_table_1_parameter_counts(billions, heads, hidden, layers):
-    p = formulas.plan(layers, heads, hidden, 51200, 2048, batch=1, n_gpus=1)
+    p = planner.plan(layers, heads, hidden, 51200, 2048, batch=1, n_gpus=1)
     # their formula has no final LayerNorm (2h); everything else is the same count
     assert round((p["params"] - 2 * hidden) / 1e9, 1) == billions
 
@@ -54,13 +55,13 @@ def test_megatron_table_1_throughput_from_the_layout(billions, heads, hidden, la
     """The step-time model, with its one fitted number (GPU.matmul_eff), against the 10 measured
     configurations: each within 6% (it spans 135-163 teraFLOP/s: a flat guess of the mean would miss
     two rows by 9%)."""
-    p = formulas.plan(layers, heads, hidden, 51200, 2048, batch, gpus, tp=tp, pp=pp, **MEGATRON_2021)
+    p = planner.plan(layers, heads, hidden, 51200, 2048, batch, gpus, tp=tp, pp=pp, **MEGATRON_2021)
     assert megatron_teraflops(p, heads, hidden, layers, batch) == pytest.approx(teraflops, rel=0.06)
 
 
 @pytest.mark.parametrize("pp,m", [(2, 4), (4, 8), (4, 16), (8, 64)])
 def test_bubble_is_the_formula_and_the_simulated_1f1b_schedule(pp, m):
-    p = formulas.plan(8, 8, 512, 1000, 128, batch=2 * m, n_gpus=2 * pp, pp=pp, micro_batch=1)
+    p = planner.plan(8, 8, 512, 1000, 128, batch=2 * m, n_gpus=2 * pp, pp=pp, micro_batch=1)
     assert (p["dp"], p["micro_batches"]) == (2, m)
     assert p["bubble"] == pytest.approx((pp - 1) / (m + pp - 1))
     ops = [pipeline.one_f_one_b(pp, r, m) for r in range(pp)]
@@ -77,32 +78,32 @@ def test_bubble_is_the_formula_and_the_simulated_interleaved_schedule(pp, m, v):
 
 def test_zero1_shards_only_the_optimizer_over_dp():
     shape = dict(n_layer=32, n_head=32, d_model=4096, vocab=32000, seq_len=4096, batch=512, tp=2)
-    one, eight = (formulas.plan(n_gpus=2 * dp, **shape)["memory"] for dp in (1, 8))
+    one, eight = (planner.plan(n_gpus=2 * dp, **shape)["memory"] for dp in (1, 8))
     assert eight["optimizer"] == pytest.approx(one["optimizer"] / 8)
     assert (eight["weights"], eight["grads"], eight["activations"]) == (one["weights"], one["grads"],
                                                                         one["activations"])
-    no_zero = formulas.plan(n_gpus=16, zero=0, **shape)["memory"]
+    no_zero = planner.plan(n_gpus=16, zero=0, **shape)["memory"]
     assert no_zero["optimizer"] == one["optimizer"]
     # Megatron's distributed optimizer: 2 + 4 + 12/dp bytes per parameter of this GPU's share
-    n_local = formulas.plan(n_gpus=16, **shape)["params"] / 2
+    n_local = planner.plan(n_gpus=16, **shape)["params"] / 2
     assert eight["weights"] + eight["grads"] + eight["optimizer"] == pytest.approx((6 + 12 / 8) * n_local)
 
 
 def test_zero_paper_figure_1():
     """7.5B parameters on 64 GPUs, fp16 gradients: 120 GB, then 31.4, 16.6 and 1.9 GB per GPU."""
-    per_gpu = [sum(formulas.state_bytes(7.5e9, 64, zero, grad_bytes=2)) / GB for zero in range(4)]
+    per_gpu = [sum(planner.state_bytes(7.5e9, 64, zero, grad_bytes=2)) / GB for zero in range(4)]
     assert [round(x, 1) for x in per_gpu] == [120.0, 31.4, 16.6, 1.9]
 
 
 def test_activations_under_1f1b_are_all_layers_whatever_pp():
     """Korthikanti et al. 2022, section 4.2.3: the first stage holds pp micro-batches of L/pp layers."""
-    acts = [formulas.plan(80, 64, 8192, 32000, 4096, batch=1024, n_gpus=64 * pp, tp=8, pp=pp)
+    acts = [planner.plan(80, 64, 8192, 32000, 4096, batch=1024, n_gpus=64 * pp, tp=8, pp=pp)
             ["memory"]["activations"] for pp in (1, 2, 4, 8)]
     per_layer = formulas.activation_bytes(4096, 1, 8192, 64, tp=8, sp=True)  # bf16, flash, no dropout
     assert per_layer == 2 * 4096 * 8192 * (2 / 8 + 2 + 12 / 8)  # LN inputs / t, LN outputs whole, the rest / t
     assert acts == [per_layer * 80] * 4  # 20.1 GB
     # interleaved: pp + (pp - 1) / vp stages' worth (lesson 09 counts 11 chunks = 5.5 stages for p 4, v 2)
-    inter = formulas.plan(80, 64, 8192, 32000, 4096, batch=1024, n_gpus=256, tp=8, pp=4, vp=2)
+    inter = planner.plan(80, 64, 8192, 32000, 4096, batch=1024, n_gpus=256, tp=8, pp=4, vp=2)
     assert inter["memory"]["activations"] == pytest.approx(per_layer * 20 * 5.5)
 
 
@@ -113,7 +114,7 @@ def test_one_activation_model_for_plan_and_the_memory_report():
     for attn in ("flash", "math"):
         for recompute in ("none", "selective", "full"):
             ours, paper = formulas.activation_formula(cfg, 1024, 4, 2, True, recompute, attn, 2)
-            p = formulas.plan(12, 12, 768, 50257, 1024, batch=8, n_gpus=2, tp=2, micro_batch=4, zero=0,
+            p = planner.plan(12, 12, 768, 50257, 1024, batch=8, n_gpus=2, tp=2, micro_batch=4, zero=0,
                               recompute=recompute, attn=attn)
             rebuilt = formulas.activation_bytes(1024, 4, 768, 12, 2, True, "none", attn) if recompute == "full" else 0
             assert p["memory"]["activations"] == pytest.approx(ours * 12 + rebuilt)  # 1 stage, 12 layers
@@ -128,11 +129,11 @@ def test_one_activation_model_for_plan_and_the_memory_report():
 
 
 def test_traffic_formulas():
-    p = formulas.plan(80, 64, 8192, 32000, 4096, batch=1024, n_gpus=512, tp=8, pp=4)
+    p = planner.plan(80, 64, 8192, 32000, 4096, batch=1024, n_gpus=512, tp=8, pp=4)
     act = 2 * 4096 * 8192  # one bf16 activation of a sequence
     assert p["comm"]["tp"] == pytest.approx(4 * 20 * 64 * act * 2 * 7 / 8)  # 4 per layer, 20 layers, m = 64
     assert p["comm"]["pp"] == pytest.approx(2 * 64 * act / 8)
-    no_zero = formulas.plan(80, 64, 8192, 32000, 4096, batch=1024, n_gpus=512, tp=8, pp=4, zero=0)
+    no_zero = planner.plan(80, 64, 8192, 32000, 4096, batch=1024, n_gpus=512, tp=8, pp=4, zero=0)
     # ZeRO: fp32 reduce-scatter + bf16 all-gather, 6 bytes per parameter; an fp32 all-reduce: 8
     assert p["comm"]["dp"] == pytest.approx(0.75 * no_zero["comm"]["dp"])
 
@@ -148,7 +149,7 @@ def test_megatron_2021_training_time_from_an_assumed_mfu(shape, tp, pp, gpus, ba
     """Narayanan et al. 2021, section 5.1: time = 8 T P / (n X). X counts the FLOPs of full activation
     recomputation (8 per parameter and token); model FLOPs are 6, so MFU = X / peak * 6 / 8."""
     mfu = tflops / 312 * 6 / 8  # A100: 312 TFLOP/s bf16
-    p = formulas.plan(*shape, 51200, 2048, batch, gpus, tp=tp, pp=pp, tokens=tokens, mfu=mfu, gpu="A100")
+    p = planner.plan(*shape, 51200, 2048, batch, gpus, tp=tp, pp=pp, tokens=tokens, mfu=mfu, gpu="A100")
     assert p["step_s"] == pytest.approx(p["flops_per_token"] * batch * 2048 / (gpus * 312e12 * mfu))
     assert p["days"] == pytest.approx(days, rel=0.05)  # ours also counts attention: +1-3%
 
@@ -157,7 +158,7 @@ def test_megatron_2021_training_time_from_an_assumed_mfu(shape, tp, pp, gpus, ba
 def test_megatron_2021_training_time_from_the_layout(shape, tp, pp, gpus, batch, tokens, tflops, days):
     """The same estimates with no MFU given: plan() models the step from the layout, and lands within
     the same 5% (modeled: 33 and 87 days; the throughput within table 1's 6% of their X)."""
-    p = formulas.plan(*shape, 51200, 2048, batch, gpus, tp=tp, pp=pp, tokens=tokens, **MEGATRON_2021)
+    p = planner.plan(*shape, 51200, 2048, batch, gpus, tp=tp, pp=pp, tokens=tokens, **MEGATRON_2021)
     assert p["days"] == pytest.approx(days, rel=0.05)
     layers, heads, hidden = shape
     assert megatron_teraflops(p, heads, hidden, layers, batch) == pytest.approx(tflops, rel=0.06)
@@ -170,7 +171,7 @@ def test_megatron_2021_training_time_from_the_layout(shape, tp, pp, gpus, batch,
 def test_llama2_gpu_hours_imply_a_plausible_mfu(shape, gpu_hours):
     """Touvron et al. 2023, table 2: A100-80GB hours for 2T tokens. At 100% MFU the plan needs
     gpu_hours_at_1; the published hours then imply the MFU, which must look like a real run's."""
-    p = formulas.plan(*shape, 32000, 4096, 1024, 2048, tp=8, tokens=2e12, mfu=1.0, gpu="A100")
+    p = planner.plan(*shape, 32000, 4096, 1024, 2048, tp=8, tokens=2e12, mfu=1.0, gpu="A100")
     implied = p["gpu_hours"] / gpu_hours
     assert 0.40 < implied < 0.48, implied
 
@@ -180,11 +181,11 @@ def test_impossible_layouts_are_refused():
                dict(n_gpus=8, pp=2, vp=2, batch=12), dict(n_gpus=8, pp=8, vp=2)):  # m = 3 not a multiple of pp; 16 > 8
         args = dict(n_layer=8, n_head=8, d_model=512, vocab=1000, seq_len=128, batch=16) | kw
         with pytest.raises(parallel.LayoutError):
-            formulas.plan(**args)
+            planner.plan(**args)
 
 
 def test_format_plan_prints_every_section():
-    text = formulas.format_plan(formulas.plan(32, 32, 4096, 32000, 4096, 1024, 64, tokens=2e12))
+    text = planner.format_plan(planner.plan(32, 32, 4096, 32000, 4096, 1024, 64, tokens=2e12))
     for word in ("model", "layout", "memory", "traffic", "step", "bubble", "MFU", "budget", "GPU-hours", "fits"):
         assert word in text
 
@@ -195,12 +196,12 @@ def test_zero3_moves_one_and_a_half_times_the_bytes_and_recomputation_keeps_one_
     rebuilds one layer at a time); its forward runs twice, tensor-parallel pairs too."""
     shape = dict(n_layer=32, n_head=32, d_model=4096, vocab=32000, seq_len=4096, batch=64, n_gpus=64,
                  micro_batch=1, grad_bytes=2)  # one micro-batch per step on each of 64 data-parallel ranks
-    dp = {z: formulas.plan(zero=z, **shape)["comm"]["dp"] for z in range(4)}
+    dp = {z: planner.plan(zero=z, **shape)["comm"]["dp"] for z in range(4)}
     assert dp[1] == dp[2] == dp[0] and dp[3] == pytest.approx(1.5 * dp[0])
     accum = dict(shape, batch=256)  # 4 micro-batches: stage 2 reduce-scatters each, stage 3 gathers twice each
-    assert formulas.plan(zero=2, **accum)["comm"]["dp"] > 2 * formulas.plan(zero=1, **accum)["comm"]["dp"]
+    assert planner.plan(zero=2, **accum)["comm"]["dp"] > 2 * planner.plan(zero=1, **accum)["comm"]["dp"]
     kw = {k: v for k, v in shape.items() if k != "n_gpus"}
-    full, none = (formulas.plan(tp=8, n_gpus=64, recompute=r, **kw) for r in ("full", "none"))
+    full, none = (planner.plan(tp=8, n_gpus=64, recompute=r, **kw) for r in ("full", "none"))
     per_layer = formulas.activation_bytes(4096, 1, 4096, 32, 8, True)  # what "none" keeps per layer
     assert none["memory"]["activations"] == pytest.approx(32 * per_layer)
     # full: each layer's input (2 s b h / t under SP), and one layer rebuilt whole in the backward
@@ -217,37 +218,37 @@ LLAMA70 = (80, 64, 8192, 32000, 4096, 1024)  # lesson 12's shape, 4M-token steps
 def test_matmul_efficiency_is_the_stated_model():
     """time = FLOPs at matmul_eff x peak + bytes at memory bandwidth, so efficiency =
     matmul_eff I / (I + matmul_eff ridge), I = 1 / (1/m + 1/k + 1/n) FLOPs per byte."""
-    h100 = formulas.GPUS["H100"]
+    h100 = planner.GPUS["H100"]
     ridge = h100.peak / h100.hbm_bw
     for m, k, n in ((4096, 8192, 3072), (1024, 768, 96), (64, 64, 64)):
-        i = formulas.intensity(m, k, n)
+        i = planner.intensity(m, k, n)
         assert i == pytest.approx(m * k * n / (m * k + k * n + m * n))
-        assert formulas.matmul_efficiency(m, k, n, h100) == pytest.approx(
+        assert planner.matmul_efficiency(m, k, n, h100) == pytest.approx(
             h100.matmul_eff * i / (i + h100.matmul_eff * ridge))
-    big = formulas.matmul_efficiency(16384, 16384, 16384, h100)
+    big = planner.matmul_efficiency(16384, 16384, 16384, h100)
     assert 0.9 * h100.matmul_eff < big < h100.matmul_eff
-    assert formulas.matmul_efficiency(64, 64, 64, h100) < 0.1  # far below the ridge: memory-bound
+    assert planner.matmul_efficiency(64, 64, 64, h100) < 0.1  # far below the ridge: memory-bound
 
 
 def test_smaller_micro_batches_and_more_tp_run_the_matmuls_further_below_peak():
     """Narayanan et al. 2021, section 3.4 (figure 7) and 3.3: per-GPU matmuls shrink with the
     micro-batch (m = b s) and with tp (k or n = 4h/tp), and so does their efficiency."""
-    eff = {(tp, b): formulas.plan(*LLAMA70, 512, tp=tp, pp=4 if tp == 4 else 2, micro_batch=b)["matmul_eff"]
+    eff = {(tp, b): planner.plan(*LLAMA70, 512, tp=tp, pp=4 if tp == 4 else 2, micro_batch=b)["matmul_eff"]
            for tp in (4, 8) for b in (1, 2, 4)}
     assert eff[8, 1] < eff[8, 2] < eff[8, 4]
     assert eff[4, 1] < eff[4, 2] < eff[4, 4]
     assert all(eff[8, b] < eff[4, b] for b in (1, 2, 4))
     # GPT-2 124M at tp 4: k = 192 or n = 576, small enough to lose a large share of the peak
-    gpt2 = formulas.plan(12, 12, 768, 50257, 1024, 512, 64, tp=4, micro_batch=1)
+    gpt2 = planner.plan(12, 12, 768, 50257, 1024, 512, 64, tp=4, micro_batch=1)
     assert gpt2["matmul_eff"] < 0.7 * eff[8, 1]
 
 
 def test_tensor_parallelism_across_nodes_is_slower():
     """tp 16 on nodes of 8 GPUs puts every layer's all-reduces on the network; the same tp 16 inside a
     node of 16 GPUs keeps them on NVLink."""
-    within = formulas.plan(*LLAMA70, 512, tp=16, gpus_per_node=16)
-    across = formulas.plan(*LLAMA70, 512, tp=16)
-    tp8 = formulas.plan(*LLAMA70, 512, tp=8, pp=2)
+    within = planner.plan(*LLAMA70, 512, tp=16, gpus_per_node=16)
+    across = planner.plan(*LLAMA70, 512, tp=16)
+    tp8 = planner.plan(*LLAMA70, 512, tp=8, pp=2)
     assert across["time"]["tp"] == pytest.approx(within["time"]["tp"] * 450 / 50)  # NVLink / the NIC
     assert across["step_s"] > 3 * within["step_s"] and across["step_s"] > 3 * tp8["step_s"]
 
@@ -257,44 +258,44 @@ def test_more_micro_batches_shrink_the_bubble():
     leaves it the same in seconds and smaller as a share; interleaving divides it by about vp."""
     shares = []
     for batch in (256, 512, 1024, 2048):
-        p = formulas.plan(80, 64, 8192, 32000, 4096, batch, 512, tp=8, pp=4)
+        p = planner.plan(80, 64, 8192, 32000, 4096, batch, 512, tp=8, pp=4)
         shares.append(p["time"]["bubble"] / p["modeled_step_s"])
         per_stage = (p["time"]["compute"] + p["time"]["tp"] + p["time"]["pp"]) / p["micro_batches"]
         assert p["time"]["bubble"] < 3 * per_stage  # (p - 1) = 3 micro-batches of a stage without the loss layer
     assert shares == sorted(shares, reverse=True)
-    one, two = (formulas.plan(*LLAMA70, 512, tp=8, pp=4, vp=v)["time"]["bubble"] for v in (1, 2))
+    one, two = (planner.plan(*LLAMA70, 512, tp=8, pp=4, vp=v)["time"]["bubble"] for v in (1, 2))
     assert two == pytest.approx(one / 2, rel=0.01)  # (v m messages: a little more than half)
 
 
 def test_the_layouts_of_lesson_12_are_ranked():
     """Every 512-GPU row of lesson 12 used to take the same 8.70 s: now the layout decides."""
-    steps = {(tp, pp): formulas.plan(*LLAMA70, 512, tp=tp, pp=pp)["step_s"]
+    steps = {(tp, pp): planner.plan(*LLAMA70, 512, tp=tp, pp=pp)["step_s"]
              for tp, pp in ((4, 4), (8, 1), (8, 2), (8, 4))}
     assert len({round(s, 2) for s in steps.values()}) == 4
     assert steps[4, 4] < steps[8, 4]  # half the tp traffic and larger matmuls beat a 4% smaller bubble here
     for b in (1, 2):  # more tp: more exposed all-reduces
-        assert formulas.plan(*LLAMA70, 512, tp=8, pp=2, micro_batch=b)["time"]["tp"] > \
-            formulas.plan(*LLAMA70, 512, tp=4, pp=4, micro_batch=b)["time"]["tp"]
+        assert planner.plan(*LLAMA70, 512, tp=8, pp=2, micro_batch=b)["time"]["tp"] > \
+            planner.plan(*LLAMA70, 512, tp=4, pp=4, micro_batch=b)["time"]["tp"]
 
 
 def test_step_is_its_parts_and_data_parallel_traffic_hides_but_for_its_tail():
-    p = formulas.plan(*LLAMA70, 512, tp=8, pp=2)
+    p = planner.plan(*LLAMA70, 512, tp=8, pp=2)
     assert p["step_s"] == pytest.approx(sum(p["time"].values()))
     assert p["mfu"] == pytest.approx(p["flops_per_token"] * 1024 * 4096 / (512 * 989e12 * p["step_s"]))
-    tail = formulas.BUCKET_BYTES * 31 / 32 / (formulas.LINK_EFFICIENCY * 50e9)
+    tail = planner.BUCKET_BYTES * 31 / 32 / (planner.LINK_EFFICIENCY * 50e9)
     assert tail < p["time"]["dp"] < p["comm_s"]["dp"]  # partly hidden, never less than its last bucket
     # one micro-batch per step: its whole backward hides the reduce-scatter, so more of it is hidden
-    single = formulas.plan(*LLAMA70, 2048, tp=8, pp=1, micro_batch=4, zero=1)
+    single = planner.plan(*LLAMA70, 2048, tp=8, pp=1, micro_batch=4, zero=1)
     assert single["time"]["dp"] < 0.5 * single["comm_s"]["dp"]
-    alone = formulas.plan(*LLAMA70[:5], 64, 64, tp=8, pp=8)  # dp = 1: nothing to reduce
+    alone = planner.plan(*LLAMA70[:5], 64, 64, tp=8, pp=8)  # dp = 1: nothing to reduce
     assert alone["time"]["dp"] == 0 and alone["comm"]["dp"] == 0
 
 
 def test_headroom_decides_what_fits():
-    p = formulas.plan(*LLAMA70, 512, tp=8, pp=1)  # 70 GB of 80: over 75%
-    assert p["memory"]["total"] > formulas.HEADROOM * 80e9 and not p["fits"]
-    q = formulas.plan(*LLAMA70, 512, tp=8, pp=2)
-    assert q["memory"]["total"] <= formulas.HEADROOM * 80e9 and q["fits"]
+    p = planner.plan(*LLAMA70, 512, tp=8, pp=1)  # 70 GB of 80: over 75%
+    assert p["memory"]["total"] > planner.HEADROOM * 80e9 and not p["fits"]
+    q = planner.plan(*LLAMA70, 512, tp=8, pp=2)
+    assert q["memory"]["total"] <= planner.HEADROOM * 80e9 and q["fits"]
 
 
 @pytest.mark.parametrize("pp,m,vp,warns", [(4, 4, 1, True), (4, 8, 1, False), (2, 2, 1, True), (2, 4, 1, False),

@@ -1,0 +1,243 @@
+"""A training run on paper: what each GPU holds, what it sends, how long a step takes, how many days.
+
+    p = plan(n_layer, n_head, d_model, vocab, seq_len, batch, n_gpus, tp=8, pp=4, ...)
+    print(format_plan(p))
+
+Before renting a thousand GPUs, a team works the run out on paper: the parameters and FLOPs per token
+(PaLM's 6N + 12 L H Q T), the bytes of weights, gradients and optimizer state per GPU (ZeRO's
+2Ψ + 2Ψ + 12Ψ, each divided by dp from its stage on), the activations a pipeline stage keeps in
+flight (formulas.activation_bytes, the one activation model), the bytes each parallel group sends per
+step (Megatron's all-reduces, the pipeline's messages, the gradient reduce), and from all of it the
+time of one step on a given GPU:
+
+    step = m (t_mb + logits) + bubble + what the data-parallel reduce leaves exposed
+    t_mb = layers per stage x (matmuls + attention + elementwise work + tensor-parallel waits) + messages
+
+A matmul's speed depends on its shape (matmul_seconds: FLOPs at the rate a large matmul sustains,
+plus its operands' bytes at memory bandwidth), so a large tp or a small micro-batch, which shrink
+the per-GPU matmuls, also slow them. One number is fitted: matmul_eff, 0.73 of peak, from Narayanan
+et al. 2021's table 1, which plan() then reproduces within 6% (tests/test_plan.py); GPT-3's 34 days
+come out within 4%. Lessons 10 and 12 use it to choose layouts.
+"""
+
+from dataclasses import dataclass
+
+import model as gpt
+from formulas import activation_bytes
+from parallel import LayoutError
+
+
+def state_bytes(n_params: float, dp: int, zero: int = 1, grad_bytes: int = 4) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes of one model replica's parameters on one data-parallel
+    rank. Weights are bf16 (2 bytes); the optimizer keeps K = 12 bytes per parameter (fp32 master
+    copy, Adam's two moments). ZeRO stage 1 shards the optimizer over dp, stage 2 the gradients too,
+    stage 3 the weights too (Rajbhandari et al. 2020, "ZeRO", section 5 and figure 1).
+    grad_bytes=4 (fp32 gradients, zero=1) is Megatron-LM's distributed optimizer and what
+    `ZeroAdamW` does under --precision bf16: 6 + 12/dp bytes per parameter. grad_bytes=2 is the
+    ZeRO paper's 2Ψ + 2Ψ + KΨ/Nd."""
+    return (2 * n_params / (dp if zero >= 3 else 1), grad_bytes * n_params / (dp if zero >= 2 else 1),
+            12 * n_params / (dp if zero >= 1 else 1))
+
+
+@dataclass(frozen=True)
+class GPU:
+    """What plan() needs to know about a GPU and its links (datasheet numbers, bytes and FLOP/s)."""
+    name: str
+    peak: float  # dense bf16 FLOP/s
+    hbm: float  # bytes of memory
+    hbm_bw: float  # memory bandwidth, bytes/s
+    nvlink: float  # bytes/s per direction to the other GPUs of its node
+    net: float  # bytes/s per direction across nodes: one NIC per GPU
+    matmul_eff: float  # the share of `peak` a large, well-shaped bf16 matmul sustains (fitted, see plan)
+
+
+GPUS = {"H100": GPU("H100 SXM", 989e12, 80e9, 3.35e12, 450e9, 50e9, 0.73),  # NVLink 4, a 400 Gb/s NIC
+        "A100": GPU("A100 SXM 80GB", 312e12, 80e9, 2.04e12, 300e9, 25e9, 0.73)}  # NVLink 3, 200 Gb/s (Selene)
+HEADROOM = 0.75  # the share of a GPU's memory a plan may fill: the rest is for what it does not count
+LINK_EFFICIENCY = 0.77  # a ring collective's bus bandwidth / the link's datasheet rate (nccl-tests, 8 A100s:
+#                         ~230 of 300 GB/s)
+BUCKET_BYTES = 25e6  # train.py's --bucket-mb: the last bucket is launched as the backward ends, never hidden
+
+
+def intensity(m: float, k: float, n: float) -> float:
+    """Arithmetic intensity of an (m x k) @ (k x n) matmul in a 16-bit dtype, FLOPs per byte moved:
+    2mkn / 2(mk + kn + mn) = 1 / (1/m + 1/k + 1/n). The smallest dimension sets it."""
+    return 1 / (1 / m + 1 / k + 1 / n)
+
+
+def matmul_seconds(m: float, k: float, n: float, gpu: GPU) -> float:
+    """An (m x k) @ (k x n) bf16 matmul: its FLOPs at the rate a large matmul sustains, plus its bytes
+    (two operands read, the result written) at memory bandwidth. Adding the two (rather than taking the
+    larger, as a roofline does) charges every matmul the time to stream its operands: efficiency
+    matmul_eff * I / (I + matmul_eff * ridge), ridge = peak / hbm_bw."""
+    return 2 * m * k * n / (gpu.matmul_eff * gpu.peak) + 2 * (m * k + k * n + m * n) / gpu.hbm_bw
+
+
+def matmul_efficiency(m: float, k: float, n: float, gpu: GPU) -> float:
+    """The share of peak FLOP/s an (m x k) @ (k x n) matmul gets under matmul_seconds."""
+    return 2 * m * k * n / (gpu.peak * matmul_seconds(m, k, n, gpu))
+
+
+def layer_gemms(tokens: int, d: int, tp: int) -> list[tuple[int, float, float]]:
+    """The (m, k, n) of a block's four weight matmuls on one tensor-parallel rank: c_attn and c_fc
+    column-parallel (n / tp), the two c_proj row-parallel (k / tp); m is the micro-batch's tokens."""
+    return [(tokens, d, 3 * d / tp), (tokens, d / tp, d), (tokens, d, 4 * d / tp), (tokens, 4 * d / tp, d)]
+
+
+def plan(n_layer: int, n_head: int, d_model: int, vocab: int, seq_len: int, batch: int, n_gpus: int,
+         tp: int = 1, pp: int = 1, micro_batch: int = 1, zero: int = 1, tokens: float = 0.0,
+         mfu: float | None = None, gpu: str | GPU = "H100", grad_bytes: int = 4, recompute: str = "none",
+         attn: str = "flash", sp: bool = True, dropout: float = 0.0, vp: int = 1, gpus_per_node: int = 8) -> dict:
+    """One training run of a dense GPT-2-shaped model, on paper: what each GPU holds, what it sends
+    per optimizer step, how long a step takes on this layout and so how long `tokens` take.
+    `batch` is the global batch in sequences (train.py's --batch-size); dp = n_gpus / (tp pp); ranks
+    are laid out as Grid does (tp innermost, then dp, then pp), nodes of `gpus_per_node`. `gpu` names
+    a row of GPUS. `vp` > 1: the interleaved schedule with vp chunks per stage.
+
+    parameters  12 L d^2 + 13 L d + (V + s) d + 2 d: model.py exactly (Narayanan et al. 2021, sec. 5.1
+                without the final LayerNorm); FLOPs use the 12 L d^2 + V d in matmuls:
+                6 N + 12 L H Q T per token (PaLM, appendix B; model.flops_per_token)
+    memory      state_bytes() on the N / (tp pp) parameters this GPU holds, plus activation_bytes()
+                per layer and micro-batch in bf16 (the one activation model; `attn="math"` keeps the
+                s x s probabilities, flash kernels do not); under 1F1B the first stage keeps
+                min(pp, m) micro-batches of L/pp layers (interleaved: pp + (pp-1)/vp stages' worth,
+                Korthikanti et al. 2022, 4.2.3); under full recomputation one layer is rebuilt whole
+                in the backward. `fits`: the total under HEADROOM of the GPU's memory.
+    traffic     bytes one GPU sends per step with ring collectives (2(n-1)/n of an all-reduced buffer):
+                tp  4 all-reduces (or all-gather + reduce-scatter pairs) of one bf16 s b d activation
+                    per layer per micro-batch (Shoeybi et al. 2019, sec. 3), 6 under full recompute;
+                pp  one activation forward, one gradient backward per micro-batch and chunk, s b d / tp
+                    each: under SP the activation is that long; without it Megatron-LM sends each
+                    tensor-parallel rank's 1/tp share and all-gathers it on arrival (Narayanan et al.
+                    2021, sec. 4.1; train.py without --sp sends all of it from every rank);
+                dp  ZeRO: reduce-scatter the gradients, all-gather bf16 weights; without it,
+                    all-reduce the gradients; once per step. Stages 2 and 3 hold no whole gradient, so
+                    they reduce-scatter every micro-batch (m times), and stage 3 all-gathers the
+                    weights twice per micro-batch (zero_traffic: what train.py measures).
+    time        the step of the slowest (last) pipeline stage, built from the layout:
+                  t_mb    = layers/stage x (compute + tp) + pp messages   one micro-batch on one stage
+                  compute = 3 forwards' worth (the backward is two) + one more under full recompute
+                            (selective: the attention core's forward), each forward made of
+                            - the four weight matmuls, matmul_seconds(b s, d, 3d/tp) ...: smaller
+                              per-GPU matmuls (small micro-batch, large tp) run further below peak
+                            - the attention core, a/tp heads of 4 s^2 d/a FLOPs (a flash kernel skips
+                              the masked half) plus bytes: q, k, v, o, and under `attn="math"` the
+                              s x s scores written, softmaxed, read (and, with dropout, dropped as
+                              Megatron-LM does: 6.5 element passes instead of 4)
+                            - the memory-bound elementwise work at HBM bandwidth, per token:
+                              LayerNorms and residual adds 10 d (11 with dropout masks; / tp under
+                              SP), GELU 8 d / tp elements read or written
+                  tp      all exposed (nothing overlaps them): ring time at LINK_EFFICIENCY x NVLink
+                          within a node, x the network once tp spans nodes
+                  step    = m (t_mb + logits) + (pp - 1)/vp t_mb      (the bubble: the last stage also
+                            runs the output layer, 3 matmuls of (b s, d, V/tp))
+                          + dp: the gradient reduce hides behind the last micro-batch's backward (every
+                            micro-batch's under ZeRO-2/3), ZeRO's weight all-gather behind the next
+                            step's first forward (Megatron-LM's overlapped gather; train.py gathers after
+                            the update), except what does not fit and one bucket's tail
+                matmul_eff (0.73 of peak for a large matmul) is the one fitted number: with it, the 10
+                configurations of Narayanan et al. 2021, table 1 (full recomputation, materialized
+                attention with dropout, no SP, on A100s) come out within 6% of their measured
+                teraFLOP/s (tests/test_plan.py). Left out: the optimizer step, kernel launch latency,
+                stragglers. `mfu` given: an assumed MFU sets the step time instead."""
+    gpu = GPUS[gpu] if isinstance(gpu, str) else gpu
+    dp = n_gpus // (tp * pp)
+    if dp * tp * pp != n_gpus or n_head % tp or n_layer < pp * vp or batch % (dp * micro_batch) \
+            or (vp > 1 and (batch // (dp * micro_batch)) % pp):
+        raise LayoutError(f"{n_gpus} GPUs as tp {tp} x pp {pp} x dp, {n_head} heads, {n_layer} layers, "
+                          f"batch {batch} in micro-batches of {micro_batch}"
+                          f"{f', {vp} chunks per stage' if vp > 1 else ''}: not a possible layout")
+    shape = gpt.GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=d_model, block_size=seq_len, vocab_size=vocab)
+    L, H, d, s, b, V = n_layer, n_head, d_model, seq_len, micro_batch, shape.padded_vocab
+    n_params = 12 * L * d * d + 13 * L * d + (V + s) * d + 2 * d
+    flops_per_token = gpt.flops_per_token(shape, s)
+    local = n_params / (tp * pp)  # the first and last stage also hold V d / tp of embedding: ignored
+    weights, grads, optimizer = state_bytes(local, dp, zero, grad_bytes)
+    m, layers = batch // (dp * b), -(-L // pp)  # micro-batches per pipeline and step; layers of the last stage
+    in_flight = min(m, pp + (pp - 1) / vp if vp > 1 else pp)  # stages' worth of micro-batches stage 0 holds
+    activations = activation_bytes(s, b, d, H, tp, sp, recompute, attn, 2, 1, dropout) * layers * in_flight
+    if recompute == "full":
+        activations += activation_bytes(s, b, d, H, tp, sp, "none", attn, 2, 1, dropout)
+    memory = {"weights": weights, "grads": grads, "optimizer": optimizer, "activations": activations,
+              "total": weights + grads + optimizer + activations}
+    act = 2 * s * b * d  # one bf16 activation, bytes
+
+    def ring(n):  # the fraction of a buffer each rank sends in a ring reduce-scatter or all-gather
+        return (n - 1) / n
+
+    reduces = m if zero >= 2 else 1  # stages 2 and 3 reduce-scatter every micro-batch's gradients
+    gathers = 2 * m if zero >= 3 else 1  # stage 3 all-gathers the weights for each forward and backward
+    pairs = 6 if recompute == "full" else 4  # tensor-parallel collectives per layer and micro-batch
+    comm = {"tp": pairs * layers * m * act * 2 * ring(tp),  # an all-reduce = reduce-scatter + all-gather
+            "pp": 2 * vp * m * act / tp if pp > 1 else 0.0,
+            "dp": (local * (grad_bytes * reduces + 2 * gathers) if zero else 2 * local * grad_bytes) * ring(dp)}
+    # each group's link: NVLink while the group stays inside a node (tp innermost, then dp, then pp)
+    link = {g: LINK_EFFICIENCY * (gpu.nvlink if span <= gpus_per_node else gpu.net)
+            for g, span in (("tp", tp), ("dp", tp * dp), ("pp", n_gpus))}
+    comm_s = {g: comm[g] / link[g] for g in comm}
+
+    # one micro-batch through one layer on one GPU: a forward, then the backward (twice the forward)
+    tokens_mb, head_dim = b * s, d / H
+    gemms = layer_gemms(tokens_mb, d, tp)
+    gemm_s = sum(matmul_seconds(*g, gpu) for g in gemms)
+    score_passes = (6.5 if dropout > 0 else 4) if attn == "math" else 0  # s x s elements written or read
+    attn_s = b * H / tp * (4 * s * s * head_dim * (1 if attn == "math" else 0.5) / (gpu.matmul_eff * gpu.peak)
+                           + 2 * (4 * s * head_dim + score_passes * s * s) / gpu.hbm_bw)
+    elementwise_s = 2 * tokens_mb * ((11 if dropout > 0 else 10) * d / (tp if sp else 1) + 8 * d / tp) / gpu.hbm_bw
+    forward = gemm_s + attn_s + elementwise_s
+    compute = 3 * forward + {"full": forward, "selective": attn_s, "none": 0.0}[recompute]
+    tp_s = pairs * act * 2 * ring(tp) / link["tp"]
+    pp_s = comm_s["pp"] / m
+    t_mb = layers * (compute + tp_s) + pp_s
+    logits_s = 3 * matmul_seconds(tokens_mb, d, V / tp, gpu)
+    bubble_s = (pp - 1) / vp * t_mb
+    per_micro = t_mb + logits_s  # the last stage: its layers and the output layer
+
+    def exposed(seconds, window):  # a transfer beside `window` seconds of compute, its last bucket always exposed
+        tail = min(seconds, BUCKET_BYTES * ring(dp) / link["dp"])
+        return max(tail, seconds - window)
+
+    if dp == 1:
+        dp_s = 0.0
+    elif zero == 0:
+        dp_s = exposed(comm_s["dp"], 2 / 3 * per_micro)
+    else:
+        reduce_s = local * grad_bytes * reduces * ring(dp) / link["dp"]
+        gather_window = m * per_micro if zero >= 3 else per_micro / 3
+        dp_s = exposed(reduce_s, 2 / 3 * per_micro * reduces) + exposed(comm_s["dp"] - reduce_s, gather_window)
+    time = {"compute": m * (layers * compute + logits_s), "tp": m * layers * tp_s, "pp": m * pp_s,
+            "bubble": bubble_s, "dp": dp_s}
+    modeled = sum(time.values())
+    step_s = modeled if mfu is None else flops_per_token * batch * s / (n_gpus * gpu.peak * mfu)
+    seconds = tokens / (batch * s) * step_s
+    return {"params": n_params, "flops_per_token": flops_per_token, "dp": dp, "tp": tp, "pp": pp, "vp": vp,
+            "micro_batch": b, "micro_batches": m, "bubble": (pp - 1) / (vp * m + pp - 1), "gpu": gpu,
+            "memory": memory, "fits": memory["total"] <= HEADROOM * gpu.hbm,
+            "comm": comm, "comm_s": comm_s, "time": time, "modeled_step_s": modeled,
+            "matmul_eff": sum(2 * x * y * z for x, y, z in gemms) / (gpu.peak * gemm_s),
+            "mfu": flops_per_token * batch * s / (n_gpus * gpu.peak * step_s), "step_s": step_s,
+            "tokens_per_s": batch * s / step_s, "n_gpus": n_gpus,
+            "tokens": tokens, "days": seconds / 86400, "gpu_hours": seconds * n_gpus / 3600}
+
+
+def format_plan(p: dict) -> str:
+    """plan()'s numbers as a few lines of text (GB = 1e9 bytes)."""
+    mem, comm, c, t = p["memory"], p["comm"], p["comm_s"], p["time"]
+    chunks = f", {p['vp']} chunks per stage" if p["vp"] > 1 else ""
+    fits = "fits" if p["fits"] else "does not fit"
+    lines = [f"model   {p['params'] / 1e9:.2f}B parameters, {p['flops_per_token']:.3g} FLOPs per token",
+             f"layout  {p['n_gpus']} {p['gpu'].name} = dp {p['dp']} x tp {p['tp']} x pp {p['pp']}{chunks}; "
+             f"{p['micro_batches']} micro-batches of {p['micro_batch']} per step, bubble {p['bubble']:.1%}",
+             "memory  " + "  ".join(f"{k} {v / 1e9:.1f}" for k, v in mem.items())
+             + f" GB per GPU: {fits} in {HEADROOM:.0%} of {p['gpu'].hbm / 1e9:.0f} GB",
+             "traffic " + "  ".join(f"{k} {comm[k] / 1e9:.2f} GB ({c[k]:.2f} s)" for k in comm)
+             + " per GPU and step",
+             "step    " + "  ".join(f"{k} {v:.2f}" for k, v in t.items())
+             + f" s (tp, pp, dp: exposed); matmuls at {p['matmul_eff']:.0%} of peak",
+             f"time    {p['step_s']:.2f} s per step, {p['mfu']:.1%} MFU"
+             f"{'' if p['step_s'] == p['modeled_step_s'] else ' (assumed)'}: "
+             f"{p['tokens_per_s'] / 1e6:.2f}M tokens/s, {p['tokens_per_s'] / p['n_gpus']:,.0f} per GPU"]
+    if p["tokens"]:
+        lines.append(f"budget  {p['tokens'] / 1e12:g}T tokens: {p['days']:.2f} days, "
+                     f"{p['gpu_hours']:,.0f} GPU-hours")
+    return "\n".join(lines)
