@@ -48,6 +48,14 @@ def peak_flops(device: torch.device, precision: str) -> float:
     return measured_matmul_flops()
 
 
+def unknown_gpu(device: torch.device) -> str | None:
+    """The line train.py logs when MFU's denominator is a stand-in: a GPU whose name is not in GPU_PEAKS."""
+    if device.type != "cuda" or any(k in (name := torch.cuda.get_device_name(device)) for k in GPU_PEAKS):
+        return None
+    return (f"note: {name} is not in formulas.GPU_PEAKS, so MFU is measured against an A100's peak; "
+            "add its datasheet numbers there")
+
+
 def measured_matmul_flops(n: int = 1024, seconds: float = 0.3) -> float:
     """This CPU's fp32 matmul rate: the best a well-shaped matmul achieves here. The fastest of the
     calls made in `seconds`, not their mean, so that a busy moment on a shared machine cannot lower

@@ -428,6 +428,8 @@ def train(run: Run) -> dict:
     tokens_per_step = cfg.batch_size * cfg.seq_len
     flops_per_step = gpt.flops_per_token(run.model_cfg, cfg.seq_len) * tokens_per_step
     peak = formulas.peak_flops(run.device, cfg.precision) * grid.world
+    if note := formulas.unknown_gpu(run.device):
+        grid.log(note)
     bad_in_a_row, last, step_times, saves = 0, {}, [], []
     if cfg.print_timeline:  # the second step: the first also allocates, compiles and warms up
         run.timeline_step = run.step + min(2, cfg.max_steps - run.step)

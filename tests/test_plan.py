@@ -320,3 +320,7 @@ def test_mfu_denominator_is_the_rate_the_matmuls_run_at(monkeypatch):
     assert formulas.peak_flops(cuda, "fp32") == 67e12  # PyTorch's default: "highest", no TF32
     monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")
     assert formulas.peak_flops(cuda, "fp32") == 989e12 / 2
+    assert formulas.unknown_gpu(cuda) is None and formulas.unknown_gpu(torch.device("cpu")) is None
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA B200")  # not in the table:
+    assert formulas.peak_flops(cuda, "bf16") == 312e12  # an A100's peak stands in, and train.py says so
+    assert formulas.unknown_gpu(cuda).startswith("note: NVIDIA B200 is not in formulas.GPU_PEAKS")
