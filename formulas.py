@@ -40,20 +40,25 @@ def peak_flops(device: torch.device, precision: str) -> float:
     """Peak dense FLOP/s, the denominator of MFU: the datasheet's for a GPU in the precision the matmuls
     really run in; a measured fp32 matmul rate on CPU."""
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        half, single = next((v for k, v in GPU_PEAKS.items() if k in name), GPU_PEAKS["A100"])
+        half, single = GPU_PEAKS[_peak_row(device) or "A100"]
         if precision != "fp32":
             return half
         return half / 2 if torch.get_float32_matmul_precision() != "highest" else single  # TF32, or not
     return measured_matmul_flops()
 
 
+def _peak_row(device: torch.device) -> str | None:
+    """The row of GPU_PEAKS whose key is in this GPU's name, if any."""
+    name = torch.cuda.get_device_name(device)
+    return next((k for k in GPU_PEAKS if k in name), None)
+
+
 def unknown_gpu(device: torch.device) -> str | None:
     """The line train.py logs when MFU's denominator is a stand-in: a GPU whose name is not in GPU_PEAKS."""
-    if device.type != "cuda" or any(k in (name := torch.cuda.get_device_name(device)) for k in GPU_PEAKS):
+    if device.type != "cuda" or _peak_row(device):
         return None
-    return (f"note: {name} is not in formulas.GPU_PEAKS, so MFU is measured against an A100's peak; "
-            "add its datasheet numbers there")
+    return (f"note: {torch.cuda.get_device_name(device)} is not in formulas.GPU_PEAKS, so MFU is measured "
+            "against an A100's peak; add its datasheet numbers there")
 
 
 def measured_matmul_flops(n: int = 1024, seconds: float = 0.3) -> float:

@@ -69,7 +69,7 @@ import zero
 # ----------------------------------------------------------------------------- optimization
 
 
-def make_optimizer(model: torch.nn.Module, cfg: config.TrainConfig, device: torch.device, sync=None):
+def make_optimizer(model: torch.nn.Module, cfg: config.TrainConfig, sync=None):
     """AdamW (Loshchilov & Hutter); decay only tensors of 2+ dims: matmul weights and embeddings,
     not biases or LayerNorm gains (decaying a gain toward 0 fights the normalization). With
     --zero the same update runs on this rank's shard only (zero.ZeroAdamW)."""
@@ -188,7 +188,7 @@ def setup(cfg: config.TrainConfig) -> Run:
     if grid.dp_cp > 1 or cfg.zero:
         sync = gradients.GradSync(model, grid, cfg.bucket_mb, overlap=not cfg.no_overlap, zero=cfg.zero,
                                   units=zero.units(model) if cfg.zero == 3 else None)
-    opt = make_optimizer(model, cfg, device, sync)
+    opt = make_optimizer(model, cfg, sync)
     # ZeRO-3's weights, gathered around each use: after the optimizer has sharded them
     gather = zero.ParamGather(model, sync, grid, compiled=cfg.compile) if cfg.zero == 3 else None
     stages = pipeline.Pipeline(model, grid, cfg.pp_schedule, grad_sync=sync) if grid.pp > 1 else None

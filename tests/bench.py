@@ -62,7 +62,7 @@ class Bench:
         if args.compile:
             train.compile_model(self.model, parallel.Grid(device=device))
         tc = config.TrainConfig(lr=1e-4, precision=args.precision)
-        self.opt = train.make_optimizer(self.model, tc, device)
+        self.opt = train.make_optimizer(self.model, tc)
         gen = torch.Generator().manual_seed(0)
         batch = torch.randint(0, 50257, (args.batch_size, args.seq_len + 1), generator=gen).to(device)
         self.micro = batch.split(args.micro_batch_size)

@@ -109,7 +109,7 @@ def test_non_finite_losses_stop_the_run(corpus, tmp_path):
 def test_weight_decay_only_on_matrices():
     import model as gpt
     m = gpt.build(gpt.config_from_preset("tiny", 257), seed=0)
-    opt = train.make_optimizer(m, config.TrainConfig(weight_decay=0.1), torch.device("cpu"))
+    opt = train.make_optimizer(m, config.TrainConfig(weight_decay=0.1))
     decay, no_decay = opt.param_groups
     assert decay["weight_decay"] == 0.1 and all(p.dim() == 2 for p in decay["params"])
     assert no_decay["weight_decay"] == 0.0 and all(p.dim() == 1 for p in no_decay["params"])
