@@ -16,8 +16,11 @@ default ("auto", 0) becomes.
 """
 
 import argparse
+import json
+import math
 import os
 import sys
+import time
 from dataclasses import MISSING, field, fields
 
 
@@ -38,13 +41,16 @@ class OneLineParser(argparse.ArgumentParser):
     """argparse, with errors as one line that points at --help."""
 
     def error(self, message: str):
-        self.exit(2, f"error: {message} ({self.prog} --help lists every flag)\n")
+        stop_every_rank(f"{message} ({self.prog} --help lists every flag)")
 
 
 def checked(kind, check: tuple | None):
-    """An argparse type that converts, then tests the value."""
+    """An argparse type that converts, then tests the value. A float must be finite: `inf` passes
+    `>= 0` (and trains NaN weights), so no flag takes it."""
     def convert(text: str):
         value = kind(text)
+        if kind is float and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
         if check and not check[0](value):
             raise argparse.ArgumentTypeError(f"{check[1]}, got {text}")
         return value
@@ -88,14 +94,32 @@ def parser(config_type, description: str, epilog: str | None = None, prog: str |
     return p
 
 
+def fail(message: str, code: int = 2, say: bool = True) -> None:
+    """Exit with `code` after one line on stderr (when `say`). Under torchrun the line also goes where the
+    launcher looks for a worker's error (the file TORCHELASTIC_ERROR_FILE names, in the format of
+    torch.distributed.elastic's `record`): its failure summary then shows this line as the cause, instead
+    of a link to its documentation."""
+    if say:
+        print(message, file=sys.stderr, flush=True)
+    if path := os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        info = {"message": message, "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))}}
+        try:
+            with open(path, "w") as f:
+                json.dump({"message": info}, f)
+        except OSError:  # the summary falls back to its link; the line above was said
+            pass
+    sys.exit(code)
+
+
 def stop_every_rank(message: str) -> None:
     """An error that every rank found alike (a flag, a layout, a checkpoint they all read): alone, print it
-    and exit 2. Under torchrun, rank 0 says it once and every rank exits 0: a non-zero exit would make
-    torchrun print a traceback of its own and, with --max-restarts, launch the same mistake again."""
+    and exit 2. Under torchrun, rank 0 says it once and exits 2, so `torchrun ... && next` stops and a
+    scheduler records a failure; the other ranks exit 0 at once, so torchrun's summary names one failure,
+    rank 0's, with this line as its cause (`fail`). With --max-restarts N, torchrun tries N more times."""
     world = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun
     if world == 1:
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(2)
+        fail(f"error: {message}")
     if int(os.environ.get("RANK", "0")) == 0:
-        print(f"error: {message} (all {world} processes stopped)", file=sys.stderr)
+        time.sleep(0.5)  # the others, exiting 0 meanwhile, are gone before torchrun sees rank 0 fail (it would
+        fail(f"error: {message} (all {world} processes stopped)")  # stop them, and list each as a failure)
     sys.exit(0)

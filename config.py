@@ -12,6 +12,7 @@ the size of the data.
 """
 
 import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ import torch
 
 import cli
 import data
+import formulas
 import hf
 import kernels
 import model as gpt
@@ -32,6 +34,8 @@ from cli import arg, at_least
 CACHE_DIR = str(data.DEFAULT_CACHE_DIR)  # (inside the class, `data` is the field)
 DATA_HELP = "corpus: " + data.SOURCE_HELP
 CRASH_AT = re.compile(r"(rank:\d+:)?(step|save):\d+")
+MAX_TIMEOUT_S = 1e9  # torch.distributed keeps its timeout in a timedelta (at most ~8.6e13 s): 1e300 overflows
+MAX_SAMPLE_TOKENS = 100_000  # drawn one at a time at every evaluation: more is a mistake, not a sample
 
 
 @dataclass
@@ -46,11 +50,11 @@ class TrainConfig:
                          "and model.safetensors or pytorch_model.bin); its config replaces --preset",
                          shown="none: random init by (seed, name)")
     n_layer: int = arg(0, "transformer blocks; part of the architecture, so a checkpoint of another depth is "
-                       "refused", at_least(0), shown="the preset's")
+                       "refused", at_least(1), shown="the preset's")
     block_size: int = arg(0, "the model's context: rows of its learned position table, the longest --seq-len "
                           "(longer than the preset's for long-context runs, lesson 14); part of the architecture, "
-                          "like --n-layer", at_least(0), shown="the preset's")
-    seq_len: int = arg(0, "tokens per sequence", at_least(0), shown="the model's context on CUDA, 128 on CPU")
+                          "like --n-layer", at_least(1), shown="the preset's")
+    seq_len: int = arg(0, "tokens per sequence", at_least(1), shown="the model's context on CUDA, 128 on CPU")
     dropout: float = arg(0.0, "dropout probability", (lambda v: 0 <= v < 1, "must be in [0, 1)"))
     attn: str = arg("auto", "attention backend", choices=list(kernels.BACKENDS),
                     shown="our Triton kernel on CUDA where it applies, SDPA elsewhere")
@@ -60,14 +64,14 @@ class TrainConfig:
     compile: bool | None = arg(None, "torch.compile each transformer block and the fused loss",
                                shown="on with CUDA; off on CPU, where compiling costs more than it saves")
 
-    max_steps: int = arg(0, "optimizer steps", at_least(0), group="optimization",
+    max_steps: int = arg(0, "optimizer steps", at_least(1), group="optimization",
                          shown="200 on CPU (about 2 minutes); on CUDA two epochs of the data, at most 5000")
-    batch_size: int = arg(0, "global batch in sequences per optimizer step", at_least(0),
+    batch_size: int = arg(0, "global batch in sequences per optimizer step", at_least(1),
                           shown="64 on CUDA, 8 on CPU")
     micro_batch_size: int = arg(0, "sequences per forward/backward on one rank; the rest is gradient "
-                                "accumulation", at_least(0), shown="the whole per-rank batch")
-    lr: float = arg(0.0, "peak learning rate", at_least(0), shown="6e-4 on CUDA, as GPT-2 124M trains; 2e-3 on "
-                    "CPU, where the model is small")
+                                "accumulation", at_least(1), shown="the whole per-rank batch")
+    lr: float = arg(0.0, "peak learning rate", (lambda v: v > 0, "must be > 0"), shown="6e-4 on CUDA, as GPT-2 "
+                    "124M trains; 2e-3 on CPU, where the model is small")
     min_lr: float = arg(-1.0, "learning rate at the end of the cosine decay",
                         (lambda v: v >= 0 or v == -1, "must be >= 0, or -1 for --lr / 10"), shown="--lr / 10")
     warmup_steps: int = arg(0, "linear warm-up steps", at_least(0), shown="5% of --max-steps")
@@ -116,13 +120,15 @@ class TrainConfig:
     bucket_mb: float = arg(25.0, "data-parallel gradient bucket size in MB", (lambda v: v > 0, "must be > 0"))
     no_overlap: bool = arg(False, "all-reduce gradients after the backward instead of during it")
     timeout: float = arg(300.0, "seconds a collective (or a checkpoint commit) may wait for a peer before the "
-                         "run fails", (lambda v: v > 0, "must be > 0"))
+                         "run fails", (lambda v: 0 < v <= MAX_TIMEOUT_S, f"must be > 0 and at most {MAX_TIMEOUT_S:g} "
+                                       "(about 30 years)"))
 
-    eval_every: int = arg(0, "evaluate (and print a sample) every N steps", at_least(0), group="reporting",
-                          shown="10 times per run")
+    eval_every: int = arg(0, "evaluate (and print a sample) every N steps", at_least(1), group="reporting",
+                          shown="10 times per run, at most every 10th step; always after the last")
     eval_batches: int = arg(4, "global batches of validation data per evaluation (fewer if the split is "
                             "smaller)", at_least(1))
-    sample_tokens: int = arg(96, "tokens to sample at each evaluation (0: none)", at_least(0))
+    sample_tokens: int = arg(96, "tokens to sample at each evaluation (0: none; sample.py draws longer texts)",
+                             (lambda v: 0 <= v <= MAX_SAMPLE_TOKENS, f"must be in [0, {MAX_SAMPLE_TOKENS}]"))
     stats_every: int = arg(10, "per-layer gradient norms, update/weight ratios and activation RMS at step 1 and "
                            "every N steps, to metrics.jsonl and the dashboard (0: off; stats.py)", at_least(0))
     print_grid: bool = arg(False, "print the process grid at start-up")
@@ -232,7 +238,9 @@ def resolve_steps(cfg: TrainConfig, device: torch.device, train_tokens: int, log
         else:
             cfg.max_steps = 200
     cfg.warmup_steps = cfg.warmup_steps or max(1, cfg.max_steps // 20)
-    cfg.eval_every = cfg.eval_every or max(1, cfg.max_steps // 10)
+    # 10 evaluations a run, but at most one every 10th step: an evaluation (and its sample) costs a few
+    # steps, and a short run would otherwise spend most of its time on them. The last step always has one.
+    cfg.eval_every = cfg.eval_every or max(10, cfg.max_steps // 10)
 
 
 def pick_device(name: str) -> torch.device:
@@ -278,3 +286,29 @@ def model_config(cfg: TrainConfig) -> gpt.GPTConfig:
         raise ConfigError(f"{cfg.init_from} has a vocabulary of {arch['vocab_size']} tokens but the {cfg.tokenizer} "
                           f"tokenizer has {vocab}; use the tokenizer the model was trained with")
     return gpt.GPTConfig(**arch, dropout=cfg.dropout, attn=cfg.attn, recompute=cfg.recompute)
+
+
+def check_size(cfg: TrainConfig, model_cfg: gpt.GPTConfig, grid: parallel.Grid) -> None:
+    """Refuse a model that cannot fit, in one line, before it is built (--n-layer 100000 would spend
+    minutes building, then fail; --block-size 10**21 overflows a tensor's size). What is counted is a
+    floor: AdamW's fp32 state (weights, gradients, two moments: 16 bytes a parameter) split over tensor
+    and pipeline ranks and as ZeRO shards it, plus the activations one micro-batch saves (the flash path
+    in 2-byte elements, formulas.activation_bytes). On a CPU the processes of a node share its memory."""
+    n = gpt.n_params(model_cfg)
+    local, dp, z = n / (grid.tp * grid.pp), grid.dp, cfg.zero
+    state = local * (4 / (dp if z >= 3 else 1) + 4 / (dp if z >= 2 else 1) + 8 / (dp if z >= 1 else 1))
+    layers = -(-model_cfg.n_layer // grid.pp)
+    act = formulas.activation_bytes(cfg.seq_len // grid.cp, cfg.micro_batch_size, model_cfg.n_embd, model_cfg.n_head,
+                                    grid.tp, grid.sp, cfg.recompute, "flash", 2, 1, cfg.dropout) * layers
+    if grid.device.type == "cuda":
+        memory, where, sharing = torch.cuda.get_device_properties(grid.device).total_memory, "GPU", 1
+    else:
+        memory, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "machine"
+        sharing = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    need = (state + act) * sharing
+    if need > memory:
+        per = f" for each of {sharing} processes" if sharing > 1 else ""
+        raise ConfigError(f"the model would have {n / 1e9:,.1f}B parameters ({model_cfg.n_layer} layers, a context of "
+                          f"{model_cfg.block_size:,}): at least {need / sharing / 1e9:,.1f} GB of training state and "
+                          f"activations{per}, more than the {memory / 1e9:.1f} GB of this {where}; choose a smaller "
+                          "--preset, --n-layer or --block-size, or split it (--tp, --pp, --zero 3)")

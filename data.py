@@ -42,6 +42,8 @@ sees the same sequences however many ranks share it, and the position in the dat
 ints, all a checkpoint needs for an exact resume.
 """
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -240,14 +242,48 @@ def prepare(cfg: DataConfig, verbose: bool = True, force: bool = False) -> Path:
     corpus = sources.resolve(cfg.source, cfg.cache_dir, verbose)
     key = cache_key(cfg, corpus.files, tok)
     out = Path(cfg.cache_dir) / f"{corpus.label}-{tok.name}-{key}"
-    work_dir = out.parent / f".{out.name}.work"
-    if force:
-        shutil.rmtree(out, ignore_errors=True)
-        shutil.rmtree(work_dir, ignore_errors=True)
-    if (out / "meta.json").exists():
-        say(f"data: using prepared {out}")
-        return out
+    try:
+        with preparing(out, say):
+            if force:
+                shutil.rmtree(out, ignore_errors=True)
+                shutil.rmtree(out.parent / f".{out.name}.work", ignore_errors=True)
+            if (out / "meta.json").exists():
+                say(f"data: using prepared {out}")
+                return out
+            return _prepare(cfg, tok, corpus, key, out, say, verbose)
+    except OSError as e:  # a full disk, a read-only cache, a file that went away: one line
+        where = f" ({e.filename})" if getattr(e, "filename", None) else ""
+        raise DataError(f"preparing --data {cfg.source} in {out.parent} failed: {e.strerror or e}{where}; fix that "
+                        "and rerun: the preparation resumes where it stopped") from None
 
+
+@contextlib.contextmanager
+def preparing(out: Path, say):
+    """One process prepares a corpus at a time (an flock beside it; others wait, then find it prepared).
+    Under the lock, a temporary directory of `out` (the shards before they are published) is this
+    process's or a leftover of one that was killed while writing them: removed before and after."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            say(f"data: waiting for another process preparing {out}")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            remove_temporaries(out)
+            yield
+        finally:  # (an error, Ctrl-C): no half-written shards stay behind
+            remove_temporaries(out)
+
+
+def remove_temporaries(out: Path) -> None:
+    for stale in out.parent.glob(f".{out.name}.tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def _prepare(cfg: DataConfig, tok: tokenizer.Tokenizer, corpus, key: str, out: Path, say, verbose: bool) -> Path:
+    """prepare()'s work, under the lock: scan (resumable), dedup, split, write, publish."""
+    work_dir = out.parent / f".{out.name}.work"
     workers, reader, work = cfg.workers or scan.cores(), sources.Reader(corpus), scan.Work(work_dir, key)
     resumed = f", resuming after {work.docs:,} documents" if work.docs else ""
     say(f"data: preparing {cfg.source} ({len(corpus.files)} files, {reader.total / 1e6:.1f} MB) with the "
@@ -270,8 +306,7 @@ def prepare(cfg: DataConfig, verbose: bool = True, force: bool = False) -> Path:
     if not (status == scan.KEPT).any():
         raise DataError(f"--data {cfg.source}: no documents left after cleaning (removed: {removed}); give "
                         f"more text, or relax the filters (python data.py --help)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))  # removed by preparing() if left
     tmp.chmod(0o755)  # mkdtemp makes it private; shards are no secret
     split = write_splits(tmp, records, status, tokens, cfg, dtype)
     lap("write")

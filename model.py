@@ -380,6 +380,14 @@ def count_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def n_params(cfg: GPTConfig) -> int:
+    """count_params of a GPT of this shape, without building one: per block 12 C^2 + 13 C (attention
+    4 C^2 + 4 C, MLP 8 C^2 + 5 C, two LayerNorms 4 C), the tied embedding V C, the position table T C
+    and the final LayerNorm 2 C."""
+    C = cfg.n_embd
+    return cfg.n_layer * (12 * C * C + 13 * C) + (cfg.padded_vocab + cfg.block_size) * C + 2 * C
+
+
 def flops_per_token(cfg: GPTConfig, seq_len: int) -> float:
     """Training FLOPs per token, PaLM appendix B: 6N + 12 L H Q T. N counts every weight that takes
     part in a matmul: the blocks and the (tied) lm_head, not the position table."""

@@ -149,7 +149,7 @@ def plan(n_layer: int, n_head: int, d_model: int, vocab: int, seq_len: int, batc
                           f"{f', {vp} chunks per stage' if vp > 1 else ''}: not a possible layout")
     shape = gpt.GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=d_model, block_size=seq_len, vocab_size=vocab)
     L, H, d, s, b, V = n_layer, n_head, d_model, seq_len, micro_batch, shape.padded_vocab
-    n_params = 12 * L * d * d + 13 * L * d + (V + s) * d + 2 * d
+    n_params = gpt.n_params(shape)
     flops_per_token = gpt.flops_per_token(shape, s)
     local = n_params / (tp * pp)  # the first and last stage also hold V d / tp of embedding: ignored
     weights, grads, optimizer = state_bytes(local, dp, zero, grad_bytes)

@@ -1,20 +1,33 @@
 """The run directory (--out): who may write it, which run it holds, and what that run measured.
 
     <out>/
-        .lock           an OS lock (flock) held by the process training here. The kernel releases it
-                        when that process ends, however it ends: a SIGKILLed run never leaves it stale.
+        .lock           who holds the lock: "pid 1234 on host, since ...". The lock itself is an OS lock
+                        (flock) on the directory <out>, held by the process training here; the kernel
+                        releases it when that process ends, however it ends: a SIGKILLed run never
+                        leaves it stale.
         run.json        {"run": "5f0c9a3e1b2d", "started": ...}: the identity of the run this directory holds
         metrics.jsonl   one JSON line per optimizer step, and one per event (start, resume, spike, checkpoint,
                         and every --stats-every steps `layers`: per-layer statistics, stats.py)
         report.html     the dashboard of metrics.jsonl (dashboard.py), rewritten as the run goes
         ckpt/           the checkpoints (checkpoint.py); each one records the run id that wrote it
         previous/       what --fresh moved aside: earlier runs' run.json, metrics.jsonl, report.html and ckpt/
+        .fresh.json     only while --fresh moves a run aside: what goes where (see `move_aside`)
 
 Two mistakes are silent without this file. Two processes started on one --out interleave their
 metrics and write over each other's checkpoints: the lock stops the second with one line. And a run
 started over with --fresh kept the old run's checkpoints beside its own, so a fallback from a corrupt
 checkpoint could land in the *old* run and report success: --fresh now moves the old run aside, and
 checkpoint.restore only ever loads checkpoints of the run named in run.json.
+
+What is locked is the directory itself, not a file in it: a lock file can be deleted under a live run,
+and the next process then locks a new file of the same name and both write here. The directory cannot
+be swapped while it is open; if it is moved away or run.json changes hands anyway (a process that
+ignores the lock, a person), `Lock.problem` notices before the next checkpoint is written.
+
+Moving a run aside touches several files; a kill between two of them must not leave half a run in
+each place. So --fresh first writes a journal (.fresh.json: the files, and where they go), then moves
+them, then deletes it: whatever stops the process, the next run on this --out finds the journal and
+finishes the move before anything else (`claim`).
 """
 
 import fcntl
@@ -25,62 +38,152 @@ import socket
 import time
 from pathlib import Path
 
+from storage import fsync_dir, replace_atomically
+
 
 class RunDirError(ValueError):
     """--out cannot be used as asked; printed as one line."""
 
 
+def problem_with(e: OSError) -> str:
+    """An OSError in a few words: "No space left on device", "Read-only file system", ..."""
+    return e.strerror or str(e)
+
+
 def check_out(out: Path) -> None:
-    """--out and its checkpoint directory must be directories (or not exist yet)."""
-    for path in (out, out / "ckpt"):
-        if path.exists() and not path.is_dir():
-            raise RunDirError(f"--out: {path} is a file, not a directory; remove it or choose another --out")
-
-
-def lock(out: Path):
-    """Take the exclusive lock on --out, or fail with who holds it. Returns the open lock file: it
-    must stay open (and referenced) for as long as the run trains."""
-    out.mkdir(parents=True, exist_ok=True)
-    f = open(out / ".lock", "a+")
+    """--out and its checkpoint directory must be directories (or not exist yet), and --out writable:
+    said now, before any process talks to another and before any data is read."""
     try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        holder = f.read().strip() or "another process"
-        f.close()
-        raise RunDirError(f"--out {out} is in use by {holder}; wait for it to finish, or choose another "
-                          "--out") from None
-    f.seek(0)
-    f.truncate()
-    f.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}")
-    f.flush()
-    return f
+        for path in (out, out / "ckpt"):
+            if path.exists() and not path.is_dir():
+                raise RunDirError(f"--out: {path} is a file, not a directory; remove it or choose another --out")
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".probe-{socket.gethostname()}-{os.getpid()}"  # permissions alone do not tell (root,
+        probe.touch()  # a read-only file system): try
+        probe.unlink()
+    except OSError as e:
+        raise RunDirError(f"--out {out} cannot be written ({problem_with(e)}); choose another --out") from None
 
 
-def claim(out: Path, fresh: bool) -> str:
+class Lock:
+    """The exclusive lock on --out: an flock on the directory, held while this object lives (rank 0)."""
+
+    def __init__(self, out: Path):
+        self.out = out
+        self.fd = os.open(out, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self.fd)
+            holder = (out / ".lock").read_text().strip() if (out / ".lock").is_file() else ""
+            raise RunDirError(f"--out {out} is in use by {holder or 'another process'}; wait for it to finish, or "
+                              "choose another --out") from None
+        st = os.fstat(self.fd)
+        self.identity = (st.st_dev, st.st_ino)
+        self.note = f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}"
+        try:
+            replace_atomically(out / ".lock", self.note)
+        except OSError as e:
+            self.close()
+            raise RunDirError(f"--out {out}: could not write {out / '.lock'} ({problem_with(e)})") from None
+
+    def problem(self, run: str) -> str:
+        """Why another process may be writing here ("" when none): the directory at --out is no longer
+        the one locked, run.json names another run, or .lock another holder."""
+        try:
+            st = os.stat(self.out)
+            if (st.st_dev, st.st_ino) != self.identity:
+                return f"--out {self.out} is no longer the directory this run locked (moved or replaced)"
+            holder = read_run_id(self.out)
+            if holder != run:
+                named = f"run {holder}" if holder else "no run"
+                return f"{self.out / 'run.json'} now names {named} (this is run {run})"
+            note = (self.out / ".lock").read_text().strip() if (self.out / ".lock").is_file() else self.note
+            if note != self.note:
+                return f"{self.out / '.lock'} now names {note!r} (this run is {self.note!r})"
+        except (OSError, RunDirError) as e:
+            return f"--out {self.out} cannot be read ({e})"
+        return ""
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # the kernel releases the flock
+            self.fd = None
+
+
+def lock(out: Path) -> Lock:
+    """Take the exclusive lock on --out, or fail with who holds it. Keep the returned Lock (referenced)
+    for as long as the run trains."""
+    out.mkdir(parents=True, exist_ok=True)
+    return Lock(out)
+
+
+# The files that make up a run, in the order --fresh moves them: run.json last.
+RUN_FILES = ("ckpt", "metrics.jsonl", "report.html", "timeline.json", "run.json")
+JOURNAL = ".fresh.json"
+
+
+def claim(out: Path, fresh: bool, log=print) -> str:
     """Make --out hold one run and return its id (rank 0 only, under the lock). A new directory, or
     --fresh, starts a new run (--fresh first moves the previous one to previous/<its id>/); otherwise
-    the run in run.json continues. Leftovers without a run.json are refused, not guessed at."""
-    old = read_run_id(out)
-    leftovers = [p for p in (out / "ckpt", out / "metrics.jsonl") if p.exists()]
-    if fresh and (old or leftovers):
-        aside = out / "previous" / (old or f"unnamed-{time.strftime('%Y%m%d-%H%M%S')}")
-        aside.mkdir(parents=True, exist_ok=True)
-        page = [out / "report.html"] if (out / "report.html").exists() else []  # its dashboard goes with it
-        for p in leftovers + page + ([out / "run.json"] if old else []):
-            os.replace(p, aside / p.name)
-        print(f"--fresh: moved the previous run's files to {aside}", flush=True)
-        old = None
-    elif old is None and leftovers:
-        raise RunDirError(f"--out {out} holds {', '.join(p.name for p in leftovers)} but no run.json (written "
-                          "by an older version?); pass --fresh to move them aside, or choose another --out")
-    if old is not None:
-        return old
-    run = secrets.token_hex(6)
-    tmp = out / "run.json.tmp"
-    tmp.write_text(json.dumps({"run": run, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n")
-    os.replace(tmp, out / "run.json")
-    return run
+    the run in run.json continues. Leftovers without a run.json are refused, not guessed at. A move
+    that a kill interrupted is finished first."""
+    try:
+        if (out / JOURNAL).exists():
+            finish_move(out, log, interrupted=True)
+        old = read_run_id(out)
+        leftovers = [p for p in (out / "ckpt", out / "metrics.jsonl") if p.exists()]
+        if fresh and (old or leftovers):
+            move_aside(out, old, log)
+            old = None
+        elif old is None and leftovers:
+            raise RunDirError(f"--out {out} holds {', '.join(p.name for p in leftovers)} but no run.json (written "
+                              "by an older version?); pass --fresh to move them aside, or choose another --out")
+        if old is not None:
+            return old
+        run = secrets.token_hex(6)
+        started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        replace_atomically(out / "run.json", json.dumps({"run": run, "started": started}) + "\n")
+        return run
+    except OSError as e:
+        raise RunDirError(f"--out {out}: {problem_with(e)} ({getattr(e, 'filename', '') or out}); fix that and rerun "
+                          "the same command") from None
+
+
+def move_aside(out: Path, old: str | None, log=print) -> None:
+    """--fresh: the previous run's files to previous/<its id>/ (a new name if that is taken), as one
+    step: the journal is written first, so a kill at any point leaves a move the next run finishes."""
+    name = old or f"unnamed-{time.strftime('%Y%m%d-%H%M%S')}"
+    aside, n = out / "previous" / name, 1
+    while aside.exists():  # never mix two runs in one folder
+        n += 1
+        aside = out / "previous" / f"{name}-{n}"
+    files = [f for f in RUN_FILES if (out / f).exists()]
+    replace_atomically(out / JOURNAL, json.dumps({"run": old, "to": str(aside.relative_to(out)), "files": files}))
+    finish_move(out, log)
+
+
+def finish_move(out: Path, log=print, interrupted: bool = False) -> None:
+    """Carry out the journal: move each listed file that is still in place, then delete the journal.
+    Safe to repeat from any point (a file already moved is not there any more)."""
+    try:
+        plan = json.loads((out / JOURNAL).read_text())
+        aside, files = out / plan["to"], list(plan["files"])
+    except (ValueError, KeyError, TypeError):
+        raise RunDirError(f"{out / JOURNAL} is unreadable: a --fresh was interrupted; move the previous run's "
+                          f"files ({', '.join(RUN_FILES)}) into {out / 'previous'}/ by hand and delete it") from None
+    if interrupted:
+        log(f"--fresh was interrupted while moving run {plan.get('run') or '(unnamed)'} aside: finishing the move "
+            f"to {aside}; a new run starts here")
+    aside.mkdir(parents=True, exist_ok=True)
+    for f in files:
+        if (out / f).exists() or (out / f).is_symlink():
+            os.replace(out / f, aside / f)
+    fsync_dir(aside)
+    fsync_dir(out)
+    (out / JOURNAL).unlink()
+    if not interrupted:
+        log(f"--fresh: moved the previous run's files to {aside}")
 
 
 def read_run_id(out: Path) -> str | None:
@@ -128,14 +231,32 @@ class Metrics:
         if self.enabled and self.path.exists():
             history = lambda r: "event" in r and r["event"] not in STEP_EVENTS
             keep = [r for r in self.rows() if history(r) or r.get("step", 0) <= step]
-            tmp = self.path.with_name(self.path.name + ".tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
-            os.replace(tmp, self.path)
+            try:
+                replace_atomically(self.path, "".join(json.dumps(r) + "\n" for r in keep))
+            except OSError as e:
+                raise RunDirError(self.cannot_write(e)) from None
 
     def log(self, **row) -> None:
-        if self.enabled:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(row) + "\n")
+        """Append one line, whole or not at all: on a full disk the part that fit is cut off again (a
+        torn line in the middle of the file would make it unreadable once more lines follow)."""
+        if not self.enabled:
+            return
+        line = memoryview((json.dumps(row) + "\n").encode())
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            size = os.lseek(fd, 0, os.SEEK_END)
+            try:
+                while line:
+                    line = line[os.write(fd, line):]
+            except OSError as e:
+                os.ftruncate(fd, size)  # shrinking needs no space
+                raise RunDirError(self.cannot_write(e)) from None
+        finally:
+            os.close(fd)
+
+    def cannot_write(self, e: OSError) -> str:
+        return (f"could not write {self.path} ({problem_with(e)}); make room, then rerun the same command: it "
+                "continues from the last checkpoint")
 
 
 def steps(out: str | Path) -> list[dict]:

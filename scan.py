@@ -23,6 +23,7 @@ import json
 import multiprocessing
 import os
 import re
+import signal
 import sys
 import time
 import unicodedata
@@ -82,6 +83,9 @@ _WORKER: tuple = ()  # (cfg, tokenizer, token dtype) of this process, set by _in
 
 
 def _init_worker(cfg: "DataConfig") -> None:
+    if multiprocessing.parent_process() is not None:  # a worker process: its parent answers Ctrl-C and SIGTERM
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # (and stops the pool); a forked child inherits the
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # parent's handlers otherwise (interrupt.py)
     tok = tokenizer.get_tokenizer(cfg.tokenizer, cfg.cache_dir)
     global _WORKER
     _WORKER = (cfg, tok, token_dtype(tok))

@@ -104,9 +104,14 @@ def fsync_dir(path: Path) -> None:
 
 
 def replace_atomically(path: Path, text: str) -> None:
+    """All of `text` in `path`, or the file as it was."""
     tmp = path.with_name(path.name + ".tmp")
-    write_durably(tmp, text.encode())
-    os.replace(tmp, path)  # atomic on POSIX: readers see the old or the new pointer, never half
+    try:
+        write_durably(tmp, text.encode())
+        os.replace(tmp, path)  # atomic on POSIX: readers see the old or the new file, never half
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # (a full disk: no half-written copy left behind, taking space)
+        raise
     fsync_dir(path.parent)
 
 

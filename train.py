@@ -31,7 +31,6 @@ import contextlib
 import os
 import random
 import signal
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -55,6 +54,7 @@ import data
 import formulas
 import gradients
 import hf
+import interrupt
 import model as gpt
 import parallel
 import pipeline
@@ -120,7 +120,7 @@ class Run:
     guard: stability.SpikeGuard
     saver: checkpoint.Saver
     run_id: str
-    lock: object = None  # the open lock file on --out: held for as long as this object lives
+    lock: rundir.Lock | None = None  # rank 0's lock on --out: held for as long as this object lives
     sync: gradients.GradSync | None = None  # data-parallel gradient averaging
     pipe: pipeline.Pipeline | None = None  # this rank's pipeline stage, when --pp > 1
     gather: zero.ParamGather | None = None  # ZeRO-3's weight gathering, when --zero 3
@@ -128,6 +128,7 @@ class Run:
     timeline_step: int = 0  # --print-timeline: the step whose compute and collectives are recorded
     layer_stats: stats.LayerStats | None = None  # per-layer statistics every --stats-every steps
     step: int = 0
+    saved_step: int = -1  # the step of the newest checkpoint this run has (written or loaded)
     skip_batches: list = field(default_factory=list)  # global batch numbers the spike guard skips
     batches_drawn: int = 0
     spikes: list = field(default_factory=list)  # (step, batch) of rollbacks since the run last got past one
@@ -161,6 +162,7 @@ def setup(cfg: config.TrainConfig) -> Run:
     device = grid.device
     per_rank = config.check_batch(cfg, grid)
     model_cfg = config.model_config(cfg)
+    config.check_size(cfg, model_cfg, grid)
     shard.check_layout(model_cfg, grid, cfg.seq_len)
     rundir.check_out(out)
     parallel.connect(grid, cfg.timeout)
@@ -198,11 +200,14 @@ def setup(cfg: config.TrainConfig) -> Run:
     guard = stability.SpikeGuard(cfg.spike_z, cfg.spike_window)
     saver = checkpoint.Saver(out / "ckpt", keep=cfg.keep, asynchronous=cfg.async_ckpt, grid=grid, run=run_id,
                              timeout_s=cfg.timeout)
-    with torch.device("meta"):  # all ranks' shards together, the tied wte/lm_head once
-        n_params = gpt.count_params(gpt.GPT(model_cfg))
-    grid.log(f"{model_cfg.n_layer}-layer model ({cfg.preset}, {n_params / 1e6:.1f}M parameters) on {device.type}: "
+    n_params = gpt.n_params(model_cfg)  # all ranks' shards together, the tied wte/lm_head once
+    on = device.type if grid.world == 1 else f"{grid.world} {device.type} processes ({layout_text(grid)})"
+    grid.log(f"{model_cfg.n_layer}-layer model ({cfg.preset}, {n_params / 1e6:.1f}M parameters) on {on}: "
              f"{cfg.precision}, attention {cfg.attn}, compile {'on' if cfg.compile else 'off'}, "
              f"{cfg.max_steps} steps of {cfg.batch_size} x {cfg.seq_len} tokens")
+    if cfg.zero and grid.dp == 1:
+        grid.log(f"--zero {cfg.zero} shards nothing here: ZeRO splits state across the data-parallel ranks, and "
+                 "there is 1 (launch more processes than --tp x --cp x --pp, or leave --zero out)")
     if cfg.print_grid:
         grid.log(str(grid))
     layer_stats = stats.LayerStats(model, grid, sync, opt, model_cfg.n_layer, cfg.stats_every,
@@ -211,21 +216,29 @@ def setup(cfg: config.TrainConfig) -> Run:
                lock=lock, sync=sync, pipe=stages, gather=gather, layer_stats=layer_stats)
 
 
-def claim_out(cfg: config.TrainConfig, grid: parallel.Grid) -> tuple[object, str]:
+def layout_text(grid: parallel.Grid) -> str:
+    """"dp 2 x tp 2 x pp 1 x cp 1": the degrees whose product is the number of processes."""
+    return " x ".join(f"{name} {getattr(grid, name)}" for name in ("dp", "tp", "pp", "cp"))
+
+
+def claim_out(cfg: config.TrainConfig, grid: parallel.Grid) -> tuple[rundir.Lock | None, str]:
     """Rank 0 locks --out and settles which run it holds (rundir.py); every rank learns the outcome,
     so a refused launch stops everywhere at once instead of leaving ranks waiting."""
     out, lock, problem = Path(cfg.out), None, ""
     if grid.rank == 0:
         try:
             lock = rundir.lock(out)
-            rundir.claim(out, cfg.fresh)
+            rundir.claim(out, cfg.fresh, log=grid.log)
         except rundir.RunDirError as e:
             problem = str(e)
-    failed = torch.tensor([float(bool(problem))], device=grid.device)
-    grid.all_reduce(failed, "world")
-    if failed.item():
-        raise rundir.RunDirError(problem or "rank 0 could not claim --out (its error says why)")
+    rank0_agrees(grid, problem, "rank 0 could not claim --out (its error says why)")
     return lock, rundir.read_run_id(out)
+
+
+def rank0_agrees(grid: parallel.Grid, problem: str, elsewhere: str) -> None:
+    """Raise rank 0's `problem` (a RunDirError) on every rank, `elsewhere` on the others, or nothing."""
+    if not checkpoint.agree(grid, not problem):
+        raise rundir.RunDirError(problem or elsewhere)
 
 
 def next_batch(run: Run) -> tuple[int, torch.Tensor]:
@@ -343,6 +356,11 @@ def sample(run: Run, n_tokens: int) -> str:
 
 
 def save(run: Run) -> None:
+    """A checkpoint of this step; first, on every rank, make sure no other process writes in --out."""
+    problem = run.lock.problem(run.run_id) if run.lock else ""
+    rank0_agrees(run.grid, problem and f"another process is writing in --out: {problem}; this run stops without "
+                 "saving, so as not to mix two runs' files", "rank 0 found another writer in --out (it says which)")
+    run.saved_step = run.step
     state = run.state_dict()
     run.saver.save(state.pop("step"), model=run.model, opt=run.opt, extra=state, meta=checkpoint_meta(run),
                    crash_mid_save=crash_due(run, f"save:{run.step}"))
@@ -411,6 +429,7 @@ def restore(run: Run, announce: bool) -> bool:
         return False
     path, extra, manifest = found
     run.load_state_dict(extra)
+    run.saved_step = run.step
     if announce:
         run.grid.log(f"resuming from {path} (step {run.step})")
         for line in resume_changes(run, manifest["meta"].get("config", {}), manifest["layout"]):
@@ -418,11 +437,15 @@ def restore(run: Run, announce: bool) -> bool:
     return True
 
 
-def train(run: Run) -> dict:
+def train(run: Run, stop: interrupt.Stop) -> dict:
     """The loop: resume if --out holds a checkpoint of this run, then step, evaluate, log and save
-    until --max-steps. Returns the last step's row of metrics."""
+    until --max-steps, or until a signal asks it to stop (interrupt.py: then a checkpoint of the step
+    every rank stops after, and interrupt.Stopped). Returns the last step's row of metrics."""
     cfg, grid = run.cfg, run.grid
     resumed = restore(run, announce=True)
+    if not resumed and grid.is_logger and (lost := max((r["step"] for r in rundir.steps(cfg.out)), default=0)):
+        grid.log(f"no checkpoint of run {run.run_id} to resume from: starting again at step 0 (the {lost} steps "
+                 "of its last attempt are lost; --ckpt-every N saves as it goes)")
     metrics = rundir.Metrics(Path(cfg.out) / "metrics.jsonl", grid.is_logger, run.step, log=grid.log)
     metrics.log(event="resume" if resumed else "start", run=run.run_id, step=run.step)
     tokens_per_step = cfg.batch_size * cfg.seq_len
@@ -435,10 +458,16 @@ def train(run: Run) -> dict:
         run.timeline_step = run.step + min(2, cfg.max_steps - run.step)
     report = dashboard.Report(Path(cfg.out), grid.is_logger, dashboard.describe(cfg, grid, run.run_id))
     # the bar goes to stderr; log lines (bar.write) to stdout. `with`: closed even on an error
+    stopped = 0  # the signal every rank stopped for
     with tqdm(total=cfg.max_steps, initial=run.step, disable=not grid.is_logger, dynamic_ncols=True,
               mininterval=1.0) as bar:
         try:
+            stop.deferred = True  # from here a signal is answered between two steps
             while run.step < cfg.max_steps:
+                if stopped := stop.agreed(grid):
+                    if run.saved_step != run.step:
+                        save(run)
+                    break
                 t0 = time.perf_counter()
                 if cfg.memory_report and not last:  # the first step of this process: measure it
                     run.memory = {"activations": formulas.SavedActivations(run.model, run.device)}
@@ -484,9 +513,13 @@ def train(run: Run) -> dict:
         finally:
             run.saver.wait()  # never exit with a save half-done
     log_saves(run, metrics, step_times, saves)
-    report.update(now=True, status="finished")
+    if stopped:
+        metrics.log(event="stop", signal=signal.Signals(stopped).name, step=run.step)
+    report.update(now=True, status="stopped" if stopped else "finished")
     if saves and grid.is_logger:
         print(reports.saves_summary(saves))
+    if stopped:
+        raise interrupt.Stopped(stopped, run.step)
     return last
 
 
@@ -547,24 +580,26 @@ def roll_back(run: Run, row: dict, metrics: rundir.Metrics, bar) -> None:
 
 def main(argv=None) -> None:
     cfg = config.parse_args(argv)
+    stop = interrupt.Stop()  # SIGINT, SIGTERM: at once during set-up; between two steps once training
     try:
         run = setup(cfg)
-        last = train(run)
+        last = train(run, stop)
         if run.grid.is_logger:
-            print(f"done: step {run.step}" + (f", loss {last['loss']:.4f}" if last else " (nothing left to do)")
+            print(f"done: step {run.step}" + (f", loss {last['loss']:.4f}" if last else
+                                              f" (nothing left to do: the run in {cfg.out} has finished; --fresh "
+                                              "starts a new one there, a larger --max-steps continues it)")
                   + (f", val loss {last['val_loss']:.4f}" if "val_loss" in last else ""))
+    except interrupt.Stopped as e:  # every rank stopped at the same step; rank 0 says so
+        cli.fail(str(e), e.code, say=int(os.environ.get("RANK", "0")) == 0)
     except (config.ConfigError, parallel.LayoutError) as e:
         if torch.distributed.is_initialized():  # found by some ranks only: each says what it found
-            print(f"error: {e}", file=sys.stderr)
-            sys.exit(2)
+            cli.fail(f"error: {e}")
         cli.stop_every_rank(str(e))
     except (data.DataError, checkpoint.CheckpointError, rundir.RunDirError, FloatingPointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        cli.fail(f"error: {e}")
     except parallel.PeerError as e:  # a dead or hung peer: one line instead of a traceback wall
-        print(f"error: {e.where}: a peer process failed or timed out ({e.detail}); a restart resumes from the "
-              "last complete checkpoint in --out", file=sys.stderr)
-        sys.exit(3)
+        cli.fail(f"error: {e.where}: a peer process failed or timed out ({e.detail}); a restart resumes from the "
+                 "last complete checkpoint in --out", 3)
     finally:
         parallel.shutdown()
 

@@ -205,7 +205,7 @@ def test_a_second_run_on_the_same_out_is_refused(corpus, tmp_path):
 
 @pytest.mark.parametrize("flag,value,message", [
     ("--spike-window", "0", "argument --spike-window: must be >= 1, got 0"),
-    ("--lr", "-1", "argument --lr: must be >= 0, got -1"),
+    ("--lr", "-1", "argument --lr: must be > 0, got -1"),
     ("--dropout", "1.5", "argument --dropout: must be in [0, 1), got 1.5"),
     ("--loss-scale", "0", "argument --loss-scale: must be > 0, got 0"),
     ("--crash-at", "soon", "argument --crash-at: must look like step:N"),

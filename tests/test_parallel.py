@@ -256,13 +256,18 @@ def test_bad_layouts_fail_clearly(nproc, flags, message, corpus, tmp_path):
 
 
 def assert_stopped_once(result, message: str, nproc: int) -> None:
-    """A flag error: said once, before any data is read; exit 2 alone, and under torchrun every rank exits 0
-    so that the launcher neither prints its traceback nor restarts the same mistake."""
-    assert result.stderr.count(message) == 1, result.stderr[-2000:]
-    assert "Traceback" not in result.stderr and "data:" not in result.stdout, result.stderr[-2000:]
-    assert result.returncode == (0 if nproc > 1 else 2)
+    """A flag error: said once, before any data is read, and a non-zero exit (`torchrun ... && next` stops).
+    Alone: exit 2, no traceback. Under torchrun: rank 0 says it and exits 2 (the others exit 0); torchrun
+    adds its own traceback and a summary whose root cause is that line (cli.fail), and exits 1."""
+    said = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(said) == 1 and message in said[0], result.stderr[-2000:]
+    assert "data:" not in result.stdout and 'train.py", line' not in result.stderr, result.stderr[-2000:]
+    assert result.returncode == (1 if nproc > 1 else 2)
     if nproc > 1:
-        assert f"(all {nproc} processes stopped)" in result.stderr
+        assert said[0].endswith(f"(all {nproc} processes stopped)")
+        assert f"traceback : {said[0]}" in result.stderr and "ChildFailedError" in result.stderr
+    else:
+        assert "Traceback" not in result.stderr
 
 
 def test_more_stages_than_layers_is_refused(corpus, tmp_path):

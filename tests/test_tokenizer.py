@@ -127,6 +127,14 @@ def test_gpt2_ranks_from_a_local_package_index(index, tmp_path, monkeypatch, cap
     assert tokenizer.gpt2_ranks(cache) == FAKE_RANKS and (cache / "gpt2.tiktoken").read_bytes() == FAKE_RANKS
 
 
+def test_the_fallback_says_why_the_first_route_failed(index, tmp_path, capsys):
+    tokenizer.gpt2_ranks(tmp_path / "cache")
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "data: fetching the GPT-2 tokenizer: downloading http://127.0.0.1:9/r50k_base.tiktoken"
+    assert lines[1].startswith("data: fetching the GPT-2 tokenizer: the package index (openai_whisper") \
+        and "(the route before failed: downloading http://127.0.0.1:9/r50k_base.tiktoken: " in lines[1], lines
+
+
 def test_an_index_url_may_carry_a_login(index, tmp_path, monkeypatch):
     monkeypatch.setenv("PIP_INDEX_URL", os.environ["PIP_INDEX_URL"].replace("//", "//me:pa%40ss@"))
     assert tokenizer.gpt2_ranks(tmp_path / "cache") == FAKE_RANKS

@@ -1,0 +1,85 @@
+"""How a run stops when it is asked to: Ctrl-C (SIGINT), or a scheduler's SIGTERM.
+
+A scheduler that preempts a job (SLURM, Kubernetes) sends SIGTERM, waits a grace period, then sends
+SIGKILL; a person presses Ctrl-C. Python's default turns the first into a silent death and the second
+into a KeyboardInterrupt wherever the program happens to be: either way the steps since the last
+checkpoint are lost (with the default, no periodic checkpoints, all of them). Instead:
+
+    signal ──▶ handler: note it; the step in flight runs on
+    top of the next step ──▶ every rank: all-reduce(max) of the noted signal ──▶ all stop at the same step
+    stop ──▶ a checkpoint of that step, the writer drained ──▶ one line, exit 128 + signal (130, 143)
+
+Under torchrun the signal reaches the ranks at different moments (torchrun passes it to each worker in
+turn; a scheduler may signal one process only), so a rank's own flag cannot decide: a rank that stops
+alone leaves the others waiting in the next collective. The all-reduce at the top of every step turns
+"some rank was signalled" into one step that every rank stops after, and the checkpoint saved there is
+consistent. (One 4-byte all-reduce a step: nothing next to a step's gradient traffic.) torchrun gives
+its workers 30 s after forwarding a signal, then kills them: a step and a save must fit in that.
+
+Before training starts (set-up, data preparation) there is nothing to save, and preparation resumes
+where it stopped: a signal stops at once, with one line. After the last step the run is finishing
+anyway, and finishes.
+
+A second signal more than REPEAT_S after the first exits at once (os._exit, 128 + signal), keeping the
+last complete checkpoint: a save is atomic (checkpoint.py), so one cut short is simply not there. A
+repeat within REPEAT_S is the same Ctrl-C arriving twice: the terminal signals every process of the
+foreground group, and torchrun forwards the one it got to its workers too.
+"""
+
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+REPEAT_S = 1.0  # a repeat within this is the same request, delivered twice
+
+
+class Stopped(BaseException):
+    """The run stopped because it was asked to. A BaseException, like KeyboardInterrupt: no `except
+    Exception` on the way out may take it for an error and carry on."""
+
+    def __init__(self, signum: int, step: int | None = None):
+        self.signum, self.step = signum, step
+        self.code = 128 + signum  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
+        name = signal.Signals(signum).name
+        if step is None:
+            text = f"stopped by {name} during set-up, before the first step; nothing to save; rerun the same " \
+                   "command to start (a data preparation resumes where it stopped)"
+        else:
+            text = f"stopped at step {step} by {name}; checkpoint saved; rerun the same command to continue"
+        super().__init__(text)
+
+
+class Stop:
+    """The handler of SIGINT and SIGTERM for one run; `deferred` is set once the training loop starts.
+    Install it from the main thread (Python runs signal handlers there)."""
+
+    def __init__(self):
+        self.signum, self.at, self.deferred = 0, 0.0, False
+        for s in SIGNALS:
+            signal.signal(s, self.handle)
+
+    def handle(self, signum: int, frame) -> None:
+        now = time.monotonic()
+        if self.signum:
+            if now - self.at < REPEAT_S:
+                return
+            print(f"\n{signal.Signals(signum).name} again: exiting now, without saving (the last complete "
+                  "checkpoint is kept)", file=sys.stderr, flush=True)
+            os._exit(128 + signum)
+        self.signum, self.at = signum, now
+        if not self.deferred:
+            raise Stopped(signum)
+
+    def agreed(self, grid) -> int:
+        """The signal every rank stops for (the largest any rank noted), or 0 to go on. Collective:
+        every rank calls it at the same point of every step."""
+        if grid.world == 1:
+            return self.signum
+        flag = torch.tensor([float(self.signum)], device=grid.device)
+        grid.all_reduce(flag, "world", op=dist.ReduceOp.MAX)
+        return int(flag.item())
