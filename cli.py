@@ -94,14 +94,15 @@ def parser(config_type, description: str, epilog: str | None = None, prog: str |
     return p
 
 
-def fail(message: str, code: int = 2, say: bool = True) -> None:
+def fail(message: str, code: int = 2, say: bool = True, cause: bool = True) -> None:
     """Exit with `code` after one line on stderr (when `say`). Under torchrun the line also goes where the
     launcher looks for a worker's error (the file TORCHELASTIC_ERROR_FILE names, in the format of
     torch.distributed.elastic's `record`): its failure summary then shows this line as the cause, instead
-    of a link to its documentation."""
+    of a link to its documentation. Not when this rank only suffered the failure (`cause=False`: a peer
+    died): the file's time stamp would make torchrun name this rank as the first to fail."""
     if say:
         print(message, file=sys.stderr, flush=True)
-    if path := os.environ.get("TORCHELASTIC_ERROR_FILE"):
+    if cause and (path := os.environ.get("TORCHELASTIC_ERROR_FILE")):
         info = {"message": message, "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))}}
         try:
             with open(path, "w") as f:

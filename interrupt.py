@@ -47,8 +47,8 @@ class Stopped(BaseException):
         self.code = 128 + signum  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
         name = signal.Signals(signum).name
         if step is None:
-            text = f"stopped by {name} during set-up, before the first step; nothing to save; rerun the same " \
-                   "command to start (a data preparation resumes where it stopped)"
+            text = f"stopped by {name} during set-up, before training; nothing new to save; rerun the same " \
+                   "command to continue (a data preparation resumes where it stopped)"
         else:
             text = f"stopped at step {step} by {name}; checkpoint saved; rerun the same command to continue"
         super().__init__(text)

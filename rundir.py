@@ -69,12 +69,12 @@ class Lock:
     """The exclusive lock on --out: an flock on the directory, held while this object lives (rank 0)."""
 
     def __init__(self, out: Path):
-        self.out = out
+        self.out, self.fd = out, None  # (set first: __del__ runs even when os.open fails)
         self.fd = os.open(out, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            os.close(self.fd)
+            self.close()
             holder = (out / ".lock").read_text().strip() if (out / ".lock").is_file() else ""
             raise RunDirError(f"--out {out} is in use by {holder or 'another process'}; wait for it to finish, or "
                               "choose another --out") from None
@@ -109,6 +109,8 @@ class Lock:
         if self.fd is not None:
             os.close(self.fd)  # the kernel releases the flock
             self.fd = None
+
+    __del__ = close  # like a file object: a lock no one holds any more is released
 
 
 def lock(out: Path) -> Lock:

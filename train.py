@@ -599,7 +599,7 @@ def main(argv=None) -> None:
         cli.fail(f"error: {e}")
     except parallel.PeerError as e:  # a dead or hung peer: one line instead of a traceback wall
         cli.fail(f"error: {e.where}: a peer process failed or timed out ({e.detail}); a restart resumes from the "
-                 "last complete checkpoint in --out", 3)
+                 "last complete checkpoint in --out", 3, cause=False)
     finally:
         parallel.shutdown()
 
