@@ -201,7 +201,8 @@ def setup(cfg: config.TrainConfig) -> Run:
     saver = checkpoint.Saver(out / "ckpt", keep=cfg.keep, asynchronous=cfg.async_ckpt, grid=grid, run=run_id,
                              timeout_s=cfg.timeout)
     n_params = gpt.n_params(model_cfg)  # all ranks' shards together, the tied wte/lm_head once
-    on = device.type if grid.world == 1 else f"{grid.world} {device.type} processes ({layout_text(grid)})"
+    on = device.type if grid.world == 1 else \
+        f"{grid.world} {device.type} processes (dp {grid.dp} x tp {grid.tp} x pp {grid.pp} x cp {grid.cp})"
     grid.log(f"{model_cfg.n_layer}-layer model ({cfg.preset}, {n_params / 1e6:.1f}M parameters) on {on}: "
              f"{cfg.precision}, attention {cfg.attn}, compile {'on' if cfg.compile else 'off'}, "
              f"{cfg.max_steps} steps of {cfg.batch_size} x {cfg.seq_len} tokens")
@@ -214,11 +215,6 @@ def setup(cfg: config.TrainConfig) -> Run:
                                    skip_first=cfg.comm_report or cfg.memory_report)  # their step's bytes stay exact
     return Run(cfg, device, precision, grid, tok, model_cfg, model, opt, scaler, loader, val, guard, saver, run_id,
                lock=lock, sync=sync, pipe=stages, gather=gather, layer_stats=layer_stats)
-
-
-def layout_text(grid: parallel.Grid) -> str:
-    """"dp 2 x tp 2 x pp 1 x cp 1": the degrees whose product is the number of processes."""
-    return " x ".join(f"{name} {getattr(grid, name)}" for name in ("dp", "tp", "pp", "cp"))
 
 
 def claim_out(cfg: config.TrainConfig, grid: parallel.Grid) -> tuple[rundir.Lock | None, str]:
