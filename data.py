@@ -67,7 +67,8 @@ from tokenizer import DEFAULT_CACHE_DIR, DataError  # data.DataError is the one 
 if TYPE_CHECKING:  # torch is imported where batches are made: preparation workers never load it
     import torch
 
-FORMAT_VERSION = 3  # bump when the same settings would now give different shards (3: streaming, new dedup)
+FORMAT_VERSION = 4  # bump when the same settings would now give different shards (3: streaming, new dedup;
+#                    4: dedup compares pairs chosen by content, not corpus position)
 
 
 # ---------------------------------------------------------------------------------------------- settings
