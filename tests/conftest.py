@@ -44,12 +44,16 @@ def corpus(tmp_path_factory) -> dict:
     return {"data": str(root / "corpus.txt"), "cache": str(root / "cache")}
 
 
-def run_train(corpus: dict, out: Path, *flags: str, nproc: int = 1, check: bool = True,
-              timeout: float = 300, tiny: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
+def train_command(corpus: dict, out: Path, *flags: str, nproc: int = 1, tiny: bool = True) -> list[str]:
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] \
         if nproc > 1 else [sys.executable]
-    cmd = launcher + [str(ROOT / "train.py"), "--data", corpus["data"], "--cache-dir", corpus["cache"],
-                      "--out", str(out)] + (TINY if tiny else ["--device", "cpu"]) + list(flags)
+    return launcher + [str(ROOT / "train.py"), "--data", corpus["data"], "--cache-dir", corpus["cache"],
+                       "--out", str(out)] + (TINY if tiny else ["--device", "cpu"]) + list(flags)
+
+
+def run_train(corpus: dict, out: Path, *flags: str, nproc: int = 1, check: bool = True,
+              timeout: float = 300, tiny: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
+    cmd = train_command(corpus, out, *flags, nproc=nproc, tiny=tiny)
     env = {**os.environ, "OMP_NUM_THREADS": "1"} if env is None else env
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     if check and result.returncode != 0:
