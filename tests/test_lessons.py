@@ -345,6 +345,10 @@ def test_sampled_text_is_exact_where_the_cpu_rounds_as_recorded_and_free_elsewhe
                      "numbers")
     assert level(REFERENCE) == "exact" and level(REFERENCE[:4] + ("0123456789ab",)) == "numbers"
     assert level(("3.12",) + REFERENCE[1:]) == "words" and cpu_rounding() == cpu_rounding()
+    code = "import sys; sys.path.insert(0, 'tests'); import test_lessons; print(test_lessons.cpu_rounding())"
+    scalar = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True,
+                            env={**os.environ, "ATEN_CPU_CAPABILITY": "default"}).stdout.strip()
+    assert len(scalar) == 12 and scalar != cpu_rounding()  # PyTorch's scalar kernels round otherwise: noticed
 
 
 def test_identities_are_one_to_one_over_a_lesson():
@@ -363,6 +367,14 @@ def test_identities_are_one_to_one_over_a_lesson():
     assert ids.pair(["run_id 0db1f8466ea8"], ["run_id aaaaaaaaaaaa"]) is None
     assert "both" in ids.pair(["run_id 0db1f8466ea8"], ["run_id bbbbbbbbbbbb"])
     assert split_ids("run cc5d98c8ce52 holds out") == ("run <run id> holds out", ["run_id cc5d98c8ce52"])
+
+    # the writer rewrites every block that shows an id when the ids are not one-to-one, and only then
+    lesson = "".join(f"```bash\ncmd {n}\n```\n\n```text\n{line}\n```\n" for n, line in enumerate(page, 1))
+    fences = output_fences(lesson + "```bash\nls\n```\n\n```text\nloss 2.5\n```\n")
+    run = [prepared.format("1111111111111111"), using.format("1111111111111111")]
+    assert stale(fences, [[run[0]], [run[1]], ["loss 2.5"]]) == {0, 1}
+    assert stale(fences, [[run[0]], [using.format("2222222222222222")], ["loss 2.5"]]) == set()
+    assert stale(fences, [[run[0]], [using.format("2222222222222222")], ["loss 3.5"]]) == {2}
 
 
 # ----------------------------------------------------------------------------- writing a lesson
