@@ -368,31 +368,45 @@ def test_identities_are_one_to_one_over_a_lesson():
     assert "both" in ids.pair(["run_id 0db1f8466ea8"], ["run_id bbbbbbbbbbbb"])
     assert split_ids("run cc5d98c8ce52 holds out") == ("run <run id> holds out", ["run_id cc5d98c8ce52"])
 
-    # the writer rewrites every block that shows an id when the ids are not one-to-one, and only then
+    # the writer rewrites the blocks whose ids are not one-to-one, and only those (and drifted ones)
+    page += ["run 0db1f8466ea8 started", "loss 2.5"]
     lesson = "".join(f"```bash\ncmd {n}\n```\n\n```text\n{line}\n```\n" for n, line in enumerate(page, 1))
-    fences = output_fences(lesson + "```bash\nls\n```\n\n```text\nloss 2.5\n```\n")
-    run = [prepared.format("1111111111111111"), using.format("1111111111111111")]
-    assert stale(fences, [[run[0]], [run[1]], ["loss 2.5"]]) == {0, 1}
-    assert stale(fences, [[run[0]], [using.format("2222222222222222")], ["loss 2.5"]]) == set()
-    assert stale(fences, [[run[0]], [using.format("2222222222222222")], ["loss 3.5"]]) == {2}
+    fences = output_fences(lesson)
+    run = [prepared.format("1111111111111111"), using.format("1111111111111111"), "run aaaaaaaaaaaa started"]
+    assert stale(fences, [[run[0]], [run[1]], [run[2]], ["loss 2.5"]]) == {0, 1}
+    assert stale(fences, [[run[0]], [using.format("2222222222222222")], [run[2]], ["loss 2.5"]]) == set()
+    assert stale(fences, [[run[0]], [using.format("2222222222222222")], [run[2]], ["loss 3.5"]]) == {3}
 
 
 # ----------------------------------------------------------------------------- writing a lesson
 
 
 def stale(fences: list, outputs: list[list[str]]) -> set[int]:
-    """The output fences (by position in `fences`) to rewrite: those that do not match, and, when the ids
-    of the page as it would then be are not one-to-one with the run's, every fence that shows an id."""
-    rewrite, ids = set(), Identities()
+    """The output fences (by position in `fences`) to rewrite: those that do not match, and those whose
+    ids are tangled with ids that are not one-to-one (a page id paired with two of the run's, or the
+    other way round, directly or through other pairs): rewritten, they show the run's ids."""
+    rewrite, pairs = set(), []  # pairs: (fence, page id, run id)
     for k, (n, m) in enumerate(fences):
         want, have = kept(m.group(2).rstrip("\n").split("\n")), kept(outputs[n - 1])
-        pairs = align(shown(want), shown(have), "exact")
-        if pairs is None:
+        lines = align(shown(want), shown(have), "exact")
+        if lines is None:
             rewrite.add(k)
-            want, pairs = have, [(i, i) for i in range(len(have))]
-        if ids.check(want, have, pairs):
-            return rewrite | {k for k, (n, _) in enumerate(fences) if any(split_ids(x)[1] for x in outputs[n - 1])}
-    return rewrite
+            want, lines = have, [(i, i) for i in range(len(have))]
+        pairs += [(k, a, b) for i, j in lines if "…" not in want[i]
+                  for a, b in zip(split_ids(want[i])[1], split_ids(have[j])[1], strict=True)]
+    group = {}  # connected pairs, by union of their page and run ids
+    def find(x):
+        while group.setdefault(x, x) != x:
+            x = group[x]
+        return x
+    for _, a, b in pairs:
+        group[find(("page", a))] = find(("run", b))
+    members = {}
+    for _, a, b in pairs:
+        members.setdefault(find(("page", a)), set()).update({("page", a), ("run", b)})
+    tangled = {root for root, ids in members.items()
+               if len([i for i in ids if i[0] == "page"]) > 1 or len([i for i in ids if i[0] == "run"]) > 1}
+    return rewrite | {k for k, a, _ in pairs if find(("page", a)) in tangled}
 
 
 def write_outputs(doc: Path) -> list[int]:
