@@ -144,7 +144,7 @@ VARIES = [  # (pattern, placeholder): what differs between two runs of the same 
     (re.compile(r"(\d[\d,.]*|\?)\s?s/it\b"), "<rate>/s"),
     (re.compile(r"tok_s=\d+"), "tok_s=<rate>"),
     (re.compile(r"\b(mfu|MFU)([=: ]+)\d[\d.]*%"), r"\1\2<mfu>"),
-    (re.compile(r"\d[\d,]*(\.\d+)?\s?(ms|µs|us|ns|s|sec|min)\b"), "<time>"),
+    (re.compile(r"(?<![\w.])\d[\d,]*(\.\d+)?\s?(ms|µs|us|ns|s|sec|min)\b"), "<time>"),  # not "A100s"
     (re.compile(r"<time> \(<time>\)"), "<time>"),  # pytest past a minute: "in 66.46s (0:01:06)"
     (re.compile(r"\d+% of a <time> step"), "<pct> of a <time> step"),
     (re.compile(r"\S*/lib/python3\.\d+"), "<stdlib>"),
@@ -334,6 +334,7 @@ def test_a_block_past_a_minute_is_still_timing():
     assert normalize("60/60 [1:01:57<00:00, 61.9s/it]") == normalize("60/60 [00:03<00:00, 17.1it/s]")
     assert normalize("took 0:01:06 in all") == normalize("took 12.5 s in all")
     assert not match(shown(["2 passed in 16.56s"]), shown(["1 passed in 66.46s (0:01:06)"]), "exact")
+    assert normalize("Megatron 1T on 3072 A100s") == "Megatron 1T on 3072 A100s"  # a GPU, not a duration
 
 
 def test_sampled_text_is_exact_where_the_cpu_rounds_as_recorded_and_free_elsewhere():
