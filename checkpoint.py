@@ -494,7 +494,7 @@ class Reader:
         if name not in self.manifest["files"]:
             return None
         try:
-            return json.loads(storage.safetensors_metadata(self.raw[name], self.path / name)["nanoscale_state"])
+            return json.loads(storage.safetensors_metadata(self.path / name, self.raw[name])["nanoscale_state"])
         except (KeyError, ValueError):
             raise CorruptCheckpoint(f"{self.path / name}: no run state in its header") from None
 

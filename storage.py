@@ -32,10 +32,10 @@ the files that hold it.
    canonical JSON (sorted keys, no spaces) so that the same contents always hash the same. A
    flipped bit in a tensor's name is then caught like a flipped bit in its values. A schema check
    (`check_schema`) makes well-formed JSON of the wrong shape fail with a name rather than as a
-   KeyError later. `read_manifest` checks the manifest's own hash and its schema; `verify_mapped`
-   checks a file against its size and sha256 after mapping it (`map_file`), so that the bytes checked
-   are the bytes then read, even if the file is deleted meanwhile (checkpoint.pin). Whatever they
-   find wrong is a `CorruptCheckpoint`.
+   KeyError later. `verify` does all of it: the manifest's own hash, its schema, then every file
+   against its size and sha256; `verify_mapped` checks a file after mapping it (`map_file`), so that
+   the bytes checked are the bytes then read, even if the file is deleted meanwhile (checkpoint.pin).
+   Whatever they find wrong is a `CorruptCheckpoint`.
 """
 
 import hashlib
@@ -177,8 +177,9 @@ def safetensors_tensors(raw: np.ndarray, path: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def safetensors_metadata(raw: np.ndarray, path: Path) -> dict[str, str]:
-    """The metadata of a mapped safetensors file."""
+def safetensors_metadata(path: Path, raw: np.ndarray | None = None) -> dict[str, str]:
+    """The metadata of a safetensors file (from `raw`, its bytes, when they are mapped already)."""
+    raw = map_file(path) if raw is None else raw
     return _safetensors_header(raw, path)[1].get("__metadata__", {})
 
 
@@ -274,3 +275,12 @@ def check_bytes(digest: str, size: int, want: dict, path: Path) -> None:
         raise CorruptCheckpoint(f"{path} has {size} bytes, the manifest says {want['bytes']} (truncated?)")
     if digest != want["sha256"]:
         raise CorruptCheckpoint(f"{path} does not match its sha256 in the manifest (corrupted)")
+
+
+def verify(path: Path) -> dict:
+    """Check the manifest, then every file against its size and sha256; return the manifest (what a
+    script needs; a reader that then reads the files pins them instead, checkpoint.pin)."""
+    manifest = read_manifest(path)
+    for name, want in manifest["files"].items():
+        verify_file(path / name, want)
+    return manifest
