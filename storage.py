@@ -151,7 +151,7 @@ def _safetensors_header(raw: np.ndarray, path: Path) -> tuple[int, dict]:
 def map_file(path: Path) -> np.ndarray:
     """The bytes of a file, memory-mapped: read from disk only when used, and still readable after the
     file is deleted (the mapping holds it), so a reader that has mapped a checkpoint keeps it."""
-    if path.stat().st_size == 0:
+    if Path(path).stat().st_size == 0:
         return np.zeros(0, dtype=np.uint8)  # mmap cannot map zero bytes
     return np.memmap(path, dtype=np.uint8, mode="c")  # copy-on-write: torch wants writable memory
 

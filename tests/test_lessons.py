@@ -196,11 +196,19 @@ class Identities:
 
     def check(self, want: list[str], got: list[str], pairs: list[tuple[int, int]]) -> str | None:
         """pair() for every matched line of a block: `pairs` from align (lines as `kept` returns them)."""
-        for i, j in pairs:
-            page, run = split_ids(want[i])[1], split_ids(got[j])[1]
-            if "…" not in want[i] and (problem := self.pair(page, run)):  # "…" may hide some of the run's
+        for i, page, run in id_pairs(want, got, pairs):
+            if problem := self.pair(page, run):
                 return f"line {i + 1}: {problem}"
         return None
+
+
+def id_pairs(want: list[str], got: list[str], pairs: list[tuple[int, int]]):
+    """(line, the page's ids, the run's ids) of each pair of matched lines that show as many ids (a
+    line with `…` can hide some of the run's: then its ids are not paired)."""
+    for i, j in pairs:
+        page, run = split_ids(want[i])[1], split_ids(got[j])[1]
+        if len(page) == len(run):
+            yield i, page, run
 
 
 # ----------------------------------------------------------------------------- comparing
@@ -376,40 +384,51 @@ def test_identities_are_one_to_one_over_a_lesson():
     lesson = "".join(f"```bash\ncmd {n}\n```\n\n```text\n{line}\n```\n" for n, line in enumerate(page, 1))
     fences = output_fences(lesson)
     run = [prepared.format("1111111111111111"), using.format("1111111111111111"), "run aaaaaaaaaaaa started"]
-    assert stale(fences, [[run[0]], [run[1]], [run[2]], ["loss 2.5"]]) == {0, 1}
-    assert stale(fences, [[run[0]], [using.format("2222222222222222")], [run[2]], ["loss 2.5"]]) == set()
-    assert stale(fences, [[run[0]], [using.format("2222222222222222")], [run[2]], ["loss 3.5"]]) == {3}
+    assert stale(fences, [[run[0]], [run[1]], [run[2]], ["loss 2.5"]]) == {0: [run[0]], 1: [run[1]]}
+    assert stale(fences, [[run[0]], [using.format("2222222222222222")], [run[2]], ["loss 2.5"]]) == {}
+    assert stale(fences, [[run[0]], [using.format("2222222222222222")], [run[2]], ["loss 3.5"]]) == {3: ["loss 3.5"]}
+    page = ['{"run": "0db1f8466ea8", "started": "…"}', "moved to previous/d08e1d0bdb82"]  # one run, two ids
+    fences = output_fences("".join(f"```bash\ncmd\n```\n\n```text\n{line}\n```\n" for line in page))
+    assert stale(fences, [['{"run": "aaaaaaaaaaaa", "started": "2026-11-25"}'], ["moved to previous/aaaaaaaaaaaa"]]) \
+        == {0: ['{"run": "aaaaaaaaaaaa", "started": "…"}'], 1: ["moved to previous/aaaaaaaaaaaa"]}  # "…" stays
 
 
 # ----------------------------------------------------------------------------- writing a lesson
 
 
-def stale(fences: list, outputs: list[list[str]]) -> set[int]:
-    """The output fences (by position in `fences`) to rewrite: those that do not match, and those whose
-    ids are tangled with ids that are not one-to-one (a page id paired with two of the run's, or the
-    other way round, directly or through other pairs): rewritten, they show the run's ids."""
-    rewrite, pairs = set(), []  # pairs: (fence, page id, run id)
+def stale(fences: list, outputs: list[list[str]]) -> dict[int, list[str]]:
+    """The output fences to rewrite (by position in `fences`), with their new lines: the run's output
+    where the page's does not match; and where a block matches but its ids are tangled with ids that are
+    not one-to-one (a page id paired with two of the run's, or the other way round, directly or through
+    other pairs), the page's own lines with the run's ids put in, so that its `...` and `…` stay."""
+    new, pages, pairs = {}, {}, []  # pairs: (fence, page line, page id, run id)
     for k, (n, m) in enumerate(fences):
-        want, have = kept(m.group(2).rstrip("\n").split("\n")), kept(outputs[n - 1])
+        page = m.group(2).rstrip("\n").split("\n")
+        want, have = kept(page), kept(outputs[n - 1])
         lines = align(shown(want), shown(have), "exact")
         if lines is None:
-            rewrite.add(k)
-            want, lines = have, [(i, i) for i in range(len(have))]
-        pairs += [(k, a, b) for i, j in lines if "…" not in want[i]
-                  for a, b in zip(split_ids(want[i])[1], split_ids(have[j])[1], strict=True)]
-    group = {}  # connected pairs, by union of their page and run ids
-    def find(x):
+            new[k], want, lines = outputs[n - 1], have, [(i, i) for i in range(len(have))]
+        at = [x for x, line in enumerate(page) if not LAUNCHER.match(line)]  # a kept line's place in the page
+        pages[k] = page
+        pairs += [(k, at[i], a, b) for i, ids, run in id_pairs(want, have, lines) for a, b in zip(ids, run)]
+    group = {}  # union-find over ("page", id) and ("run", id): a pair joins its two
+
+    def root(x):
         while group.setdefault(x, x) != x:
             x = group[x]
         return x
-    for _, a, b in pairs:
-        group[find(("page", a))] = find(("run", b))
+    for _, _, a, b in pairs:
+        group[root(("page", a))] = root(("run", b))
     members = {}
-    for _, a, b in pairs:
-        members.setdefault(find(("page", a)), set()).update({("page", a), ("run", b)})
-    tangled = {root for root, ids in members.items()
-               if len([i for i in ids if i[0] == "page"]) > 1 or len([i for i in ids if i[0] == "run"]) > 1}
-    return rewrite | {k for k, a, _ in pairs if find(("page", a)) in tangled}
+    for _, _, a, b in pairs:
+        members.setdefault(root(("page", a)), set()).update({("page", a), ("run", b)})
+    tangled = {r for r, ids in members.items() if len({i for side, i in ids if side == "page"}) > 1
+               or len({i for side, i in ids if side == "run"}) > 1}
+    for k in {k for k, _, a, _ in pairs if root(("page", a)) in tangled} - new.keys():
+        new[k] = list(pages[k])
+        for _, x, a, b in (pair for pair in pairs if pair[0] == k):
+            new[k][x] = new[k][x].replace(a.split()[1], b.split()[1])  # "cache_key 7cb5..." -> its value
+    return new
 
 
 def write_outputs(doc: Path) -> list[int]:
@@ -425,8 +444,8 @@ def write_outputs(doc: Path) -> list[int]:
     fences = output_fences(text)
     rewrite = stale(fences, outputs)
     for k in sorted(rewrite, reverse=True):
-        n, m = fences[k]
-        text = text[:m.start()] + "```text\n" + "\n".join(outputs[n - 1]) + "\n```\n" + text[m.end():]
+        m = fences[k][1]
+        text = text[:m.start()] + "```text\n" + "\n".join(rewrite[k]) + "\n```\n" + text[m.end():]
     doc.write_text(text)
     return sorted({fences[k][0] for k in rewrite})
 
