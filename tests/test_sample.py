@@ -206,7 +206,7 @@ def test_sampling_while_a_run_saves_every_step_with_keep_1(corpus, tmp_path):
         trainer.kill() if trainer.poll() is None else None
     assert trainer.wait() == 0, trainer.stderr.read()[-3000:]
     assert not failures, f"{len(failures)} failures in {reads} reads: {failures[:3]}"
-    assert reads >= 10 and len(steps) >= 5  # many reads, of checkpoints that kept changing under them
+    assert reads >= 10 and len(steps) >= 3  # many reads, of checkpoints that kept changing under them
 
 
 def test_a_pinned_checkpoint_is_read_whole_after_it_is_deleted(runs, tmp_path, monkeypatch):
