@@ -28,7 +28,16 @@ Each checkpoint records the id of the run that wrote it, and a run only ever res
 The write is atomic: files go to `.tmp-step_XXXXXXXX/`, are fsynced and read back against their
 sha256; rank 0 waits for every rank's .json, writes the manifest, renames the directory into
 place and only then moves `latest`. A crash at any instant leaves the previous checkpoint
-intact and `latest` pointing at a complete one.
+intact and `latest` pointing at a complete one. Then the run deletes its own oldest checkpoints
+beyond --keep, and only its own: a step_XXXXXXXX directory whose manifest names this run (a copy
+of another run's checkpoint, a user's step_00000015.bak, are neither counted nor touched).
+
+Reading while a run writes (sample.py on a training run's --out): a reader *pins* what it reads
+(`pin`). It maps every file of the checkpoint, then checks the mapped bytes against the manifest;
+a mapped file stays readable after it is deleted, so the run's cleanup cannot pull a checkpoint
+from under a reader that has it. Cleanup renames a checkpoint out of sight before deleting it, so a
+reader sees all of one or none; one that vanishes while being opened is not "unusable", the reader
+lists the directory again and takes the newer one (`newest`).
 
 Saving asynchronously costs the training loop only a copy. On a GPU: a device-to-host copy into
 pinned buffers, issued on a side CUDA stream so that it overlaps the next forward and backward
@@ -220,9 +229,9 @@ class Saver:
         reaches its step again and replaces it (removed here, before the barrier, so that no rank
         mistakes the old directory for the new commit)."""
         self.dir.mkdir(parents=True, exist_ok=True)
-        for stale in self.dir.glob(".tmp-step_*"):  # this process holds the lock on --out: nobody else writes
-            shutil.rmtree(stale)
-        shutil.rmtree(self.dir / tmp.name.removeprefix(".tmp-"), ignore_errors=True)
+        for stale in [*self.dir.glob(".tmp-step_*"), *self.dir.glob(".del-step_*")]:  # this process holds
+            shutil.rmtree(stale)  # the lock on --out: nobody else writes
+        self._make_way(self.dir / tmp.name.removeprefix(".tmp-"))
         tmp.mkdir()
 
     def _fail_cleanly(self, step: int, fn, *args) -> None:
@@ -302,7 +311,7 @@ class Saver:
                                  "tensors": tensors})
         storage.write_durably(tmp / "manifest.json", json.dumps(manifest, indent=1).encode())
         storage.fsync_dir(tmp)
-        shutil.rmtree(final, ignore_errors=True)  # a same-step leftover from a run we rolled back
+        self._make_way(final)
         os.rename(tmp, final)
         storage.fsync_dir(self.dir)
         if (self.dir / "latest").is_dir():  # junk where the pointer goes (it was reported when read)
@@ -311,10 +320,36 @@ class Saver:
         self._prune(final)
 
     def _prune(self, newest: Path) -> None:
-        """Delete the oldest complete checkpoints beyond --keep, only now that a newer one exists."""
-        for old in sorted(self.dir.glob("step_*"))[:-self.keep]:
+        """Delete this run's oldest checkpoints beyond --keep, only now that a newer one exists. Only this
+        run's own count and go: a directory named exactly step_XXXXXXXX whose manifest (its own sha256
+        checked) names this run. Another run's checkpoint copied in, a user's step_00000015.bak, one
+        whose manifest is damaged: never counted, never deleted."""
+        own = [p for p in sorted(self.dir.glob("step_*")) if STEP_DIR.fullmatch(p.name) and self._owns(p)]
+        for old in own[:-self.keep]:
             if old != newest:
-                shutil.rmtree(old, ignore_errors=True)
+                self._delete(old)
+
+    def _owns(self, path: Path) -> bool:
+        try:
+            return storage.read_manifest(path)["run"] == self.run
+        except CheckpointError:
+            return False
+
+    def _delete(self, path: Path) -> None:
+        """Out of sight in one step (a rename: readers see the whole checkpoint or none of it), then
+        removed. A reader that pinned it (`pin`) goes on reading the files it mapped."""
+        doomed = self.dir / f".del-{path.name}"
+        shutil.rmtree(doomed, ignore_errors=True)
+        os.rename(path, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+
+    def _make_way(self, final: Path) -> None:
+        """Before step N is written where a step_N is: this run's own (a rollback replays its steps) is
+        deleted; anything else is moved aside to step_N.moved-aside-<time>, never deleted."""
+        if final.is_dir() and self._owns(final):
+            self._delete(final)
+        elif final.exists():
+            os.rename(final, final.with_name(f"{final.name}.moved-aside-{time.time_ns()}"))
 
 
 def wait_for(ready, what: str, timeout_s: float) -> None:
@@ -349,34 +384,103 @@ def candidates(ckpt_dir: Path, log=print) -> list[Path]:
     return found
 
 
-def latest(ckpt_dir: Path, log=print) -> Path | None:
-    """The newest checkpoint that verifies; each unusable one is reported by name."""
-    for path in candidates(ckpt_dir, log):
+class Vanished(CheckpointError):
+    """Deleted or replaced while it was being opened (a running trainer's cleanup beyond --keep, or a
+    rollback rewriting a step): nothing is wrong with it, so it is not reported as unusable; a reader
+    lists the directory again."""
+
+
+PIN_TRIES = 10  # listings a reader tries when the checkpoints keep vanishing under it
+
+
+def pin(path: Path) -> "Reader":
+    """Open a checkpoint for reading, and check all of it: the manifest (its own sha256 and schema), then
+    every file, mapped first (storage.map_file) and hashed in place, so that what was checked is what the
+    Reader reads. A mapped file stays readable after it is deleted, so once pinned a checkpoint is read
+    whole even if its run deletes it meanwhile. One that disappears or changes while it is being opened
+    raises Vanished."""
+    path, manifest = Path(path), None
+    try:
+        manifest = storage.read_manifest(path)
+        raw = {name: _map(path / name) for name in manifest["files"]}
+        for name, want in manifest["files"].items():
+            storage.verify_mapped(raw[name], want, path / name)
+    except CheckpointError:
+        if not _unchanged(path, manifest):
+            raise Vanished(f"{path} was deleted or replaced while it was being read") from None
+        raise
+    return Reader(path, manifest, raw)
+
+
+def _map(file: Path):
+    try:
+        return storage.map_file(file)
+    except FileNotFoundError:
+        raise CorruptCheckpoint(f"{file} is missing") from None
+    except OSError as e:
+        raise CorruptCheckpoint(f"{file} is unreadable ({e.strerror or e})") from None
+
+
+def _unchanged(path: Path, manifest: dict | None) -> bool:
+    """Is the checkpoint at `path` still the one whose manifest was read (none read: is it still there)?"""
+    if manifest is None:
+        return path.is_dir()
+    try:
+        return storage.read_manifest(path)["sha256"] == manifest["sha256"]
+    except CheckpointError:
+        return False
+
+
+def newest(ckpt_dir: Path, log=print) -> "Reader | None":
+    """The newest checkpoint that verifies, pinned; each unusable one is reported by name. When one
+    vanishes while being opened (its run saves every step with --keep 1, say) the directory is listed
+    again: a newer one is there."""
+    for _ in range(PIN_TRIES):
         try:
-            storage.verify(path)
-            return path
-        except CheckpointError as e:
+            return _first_usable(candidates(ckpt_dir, log), log)
+        except Vanished:
+            continue
+    raise CheckpointError(f"the checkpoints in {ckpt_dir} were deleted or replaced {PIN_TRIES} times while being "
+                          "opened (a run saving very often with a small --keep?); try again")
+
+
+def _first_usable(paths: list[Path], log) -> "Reader | None":
+    for path in paths:
+        try:
+            return pin(path)
+        except CorruptCheckpoint as e:  # not Vanished: that one goes up, to list the directory again
             log(f"checkpoint unusable, trying an older one: {e}")
     return None
 
 
-def check_compatible(manifest: dict, meta: dict, path: Path) -> None:
-    """Refuse a checkpoint whose math differs from this run's: every key of `meta` but "config"
-    must match (train.py puts there the model, the tokenizer, the data and the batch math)."""
+def latest(ckpt_dir: Path, log=print) -> Path | None:
+    """The path of the newest checkpoint that verifies (`newest`)."""
+    reader = newest(ckpt_dir, log)
+    return reader.path if reader else None
+
+
+def check_compatible(manifest: dict, meta: dict, path: Path, allowed: tuple = ()) -> None:
+    """Refuse a checkpoint whose math differs from this run's: every key of `meta` but "config" and the
+    `allowed` ones must match (train.py puts there the model, the tokenizer, the data and its sha256, and
+    the batch math). A key the checkpoint does not have (written before it was recorded) is not compared."""
     saved = manifest["meta"]
-    diffs = [f"{key}: checkpoint has {saved.get(key)}, this run has {value}"
-             for key, value in meta.items() if key != "config" and saved.get(key) != value]
-    if diffs:
-        raise IncompatibleCheckpoint(f"{path} is from an incompatible run ({'; '.join(diffs)}); resume with "
-                                     "the same settings, point --out elsewhere, or pass --fresh to start over")
+    differ = [key for key, value in meta.items() if key != "config" and key not in allowed and key in saved
+              and saved[key] != value]
+    if differ:
+        diffs = "; ".join(f"{key}: checkpoint has {saved[key]}, this run has {meta[key]}" for key in differ)
+        also = ", or pass --new-data to go on with this data on purpose" if any(k.startswith("data") for k in differ) \
+            else ""
+        raise IncompatibleCheckpoint(f"{path} is from an incompatible run ({diffs}); resume with the same "
+                                     f"settings{also}, point --out elsewhere, or pass --fresh to start over")
 
 
 class Reader:
-    """Full tensors by logical name, reassembled from whatever layout wrote them."""
+    """Full tensors by logical name, reassembled from whatever layout wrote them, from the mapped files
+    of a pinned checkpoint (`pin`)."""
 
-    def __init__(self, path: Path, manifest: dict):
-        self.path, self.manifest = path, manifest
-        self.files = {name: storage.read_safetensors(path / name) for name in manifest["files"]}
+    def __init__(self, path: Path, manifest: dict, raw: dict):
+        self.path, self.manifest, self.raw = path, manifest, raw
+        self.files = {name: storage.safetensors_tensors(raw[name], path / name) for name in manifest["files"]}
         self.entries = {}
         for e in manifest["tensors"]:
             self.entries.setdefault(e["name"], []).append(e)
@@ -390,7 +494,7 @@ class Reader:
         if name not in self.manifest["files"]:
             return None
         try:
-            return json.loads(storage.safetensors_metadata(self.path / name)["nanoscale_state"])
+            return json.loads(storage.safetensors_metadata(self.path / name, self.raw[name])["nanoscale_state"])
         except (KeyError, ValueError):
             raise CorruptCheckpoint(f"{self.path / name}: no run state in its header") from None
 
@@ -427,13 +531,12 @@ class Reader:
         return torch.cat([self.stored(e) for e in parts]).view(parts[0]["local_shape"])
 
 
-def load(path: Path, model, opt, grid, manifest: dict | None = None) -> dict:
-    """Load a checkpoint into this rank's model and optimizer; return the run state ('extra', with
+def load(reader: Reader, model, opt, grid) -> dict:
+    """Load a pinned checkpoint into this rank's model and optimizer; return the run state ('extra', with
     'step'). Every tensor is rebuilt whole, then cut to this rank's slice, so any layout reads any
     other's checkpoint. Everything is read and checked before anything is changed: a checkpoint
     that turns out to be unusable leaves the model as it was."""
-    manifest = manifest or storage.verify(path)
-    reader = Reader(path, manifest)
+    path, manifest = reader.path, reader.manifest
     state0 = reader.rank_state(0)
     if state0 is None:
         raise CorruptCheckpoint(f"{path}: rank 0's file is not in the manifest")
@@ -481,20 +584,22 @@ def agree(grid, ok: bool) -> bool:
     return flag.item() == 0
 
 
-def restore(ckpt_dir: Path, model, opt, grid, meta: dict, run: str, log=print) -> tuple[Path, dict, dict] | None:
+def restore(ckpt_dir: Path, model, opt, grid, meta: dict, run: str, log=print,
+            allowed: tuple = ()) -> tuple[Path, dict, dict] | None:
     """Load the newest usable checkpoint of run `run` into the model and optimizer: (its path, its run
     state, its manifest), or None when the directory holds none. Unusable ones are reported and passed over, an
-    incompatible one stops the run, and when checkpoints exist but none is usable the run stops
-    rather than silently starting again from step 0."""
+    incompatible one (`meta` differs, but for the `allowed` keys) stops the run, and when checkpoints
+    exist but none is usable the run stops rather than silently starting again from step 0."""
     tried = candidates(ckpt_dir, log)
     for path in tried:
         try:
-            manifest = storage.verify(path)
+            reader = pin(path)  # this run holds --out's lock: nothing deletes it meanwhile
+            manifest = reader.manifest
             if manifest["run"] != run:
                 raise CorruptCheckpoint(f"{path} was written by another run ({manifest['run']}; this is {run})")
-            check_compatible(manifest, meta, path)
-            extra, ok = load(path, model, opt, grid, manifest), True
-        except CorruptCheckpoint as e:
+            check_compatible(manifest, meta, path, allowed)
+            extra, ok = load(reader, model, opt, grid), True
+        except (CorruptCheckpoint, Vanished) as e:
             log(f"checkpoint unusable, trying an older one: {e}")
             ok = False
         if agree(grid, ok):
@@ -505,11 +610,10 @@ def restore(ckpt_dir: Path, model, opt, grid, meta: dict, run: str, log=print) -
                           "or remove them, or pass --fresh to start a new run (this one is moved aside)")
 
 
-def consolidate(path: Path, manifest: dict | None = None) -> dict[str, torch.Tensor]:
+def consolidate(source: "Path | Reader") -> dict[str, torch.Tensor]:
     """The full model's parameters from a checkpoint of any layout (fp32 master weights when the
-    run kept them). `manifest`: the one storage.verify returned for it, if the caller has it."""
-    manifest = manifest or storage.verify(path)
-    reader = Reader(path, manifest)
+    run kept them): a checkpoint directory, or a Reader that `pin` or `newest` returned."""
+    reader = source if isinstance(source, Reader) else pin(Path(source))
     names = dict.fromkeys(n.split("::")[0] for n in reader.entries)  # ZeRO-3 saves only the masters
     return {n: reader.full(f"{n}::master" if f"{n}::master" in reader else n).float() for n in names}
 
@@ -591,7 +695,8 @@ def main(argv=None) -> None:
             print(f"wrote {len(weights)} tensors ({sum(t.numel() for t in weights.values()):,} parameters) "
                   f"from {path} to {args.file}")
         else:
-            hf.export_hf(consolidate(path), storage.verify(path), Path(args.dir))
+            reader = pin(path)
+            hf.export_hf(consolidate(reader), reader.manifest, Path(args.dir))
             print(f"wrote a Hugging Face GPT-2 model from {path} to {args.dir}")
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -89,6 +89,9 @@ class TrainConfig:
     out: str = arg("out", "run directory: metrics.jsonl, report.html, checkpoints (one run at a time holds it)",
                    group="checkpoints and recovery")
     fresh: bool = arg(False, "start a new run at step 0: the previous run in --out is moved to --out/previous/")
+    new_data: bool = arg(False, "resume on data that is not the checkpoint's (another --data, or the corpus "
+                         "edited since): the run continues from the checkpoint's position in the new data, and says "
+                         "so; without this flag such a resume is refused")
     ckpt_every: int = arg(0, "save a checkpoint every N steps (0: only at the end)", at_least(0))
     keep: int = arg(2, "checkpoints to keep (older ones are deleted once a newer one is complete)", at_least(1))
     async_ckpt: bool = arg(False, "save checkpoints in the background: training pays only for a copy")

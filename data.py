@@ -69,7 +69,8 @@ from tokenizer import DEFAULT_CACHE_DIR, DataError  # data.DataError is the one 
 if TYPE_CHECKING:  # torch is imported where batches are made: preparation workers never load it
     import torch
 
-FORMAT_VERSION = 3  # bump when the same settings would now give different shards (3: streaming, new dedup)
+FORMAT_VERSION = 4  # bump when the same settings would now give different shards (3: streaming, new dedup;
+#                    4: dedup compares pairs chosen by content, not corpus position)
 
 
 # ---------------------------------------------------------------------------------------------- settings
@@ -397,6 +398,12 @@ def _check_tokens(path: Path, tokens: np.ndarray, digest: bytes, vocab_size: int
                         f"{vocab_size}-token vocabulary (prepared with another tokenizer?); {redo}")
 
 
+def shard_sha256(path: str | Path) -> str:
+    """The sha256 of a shard's tokens, from its header (load_tokens checks it against the tokens): the
+    identity of prepared data, which a checkpoint records so that a resume notices a changed corpus."""
+    return _read_header(Path(path), "prepare the data again (python data.py --help)")[2].hex()
+
+
 def load_tokens(path: str | Path, vocab_size: int | None = None) -> np.ndarray:
     """The tokens of one shard as a read-only memmap, checked first: the header against the file size,
     the sha256 of all tokens (a flipped token is otherwise a silently wrong run), and, given the
@@ -475,8 +482,9 @@ class Loader:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "seq_len": self.seq_len,
                 "global_batch": self.global_batch, "windows_per_epoch": self.windows_per_epoch}
 
-    def load_state_dict(self, state: dict) -> None:
-        for key in ("seed", "seq_len", "global_batch", "windows_per_epoch"):
+    def load_state_dict(self, state: dict, new_data: bool = False) -> None:
+        """Continue at the saved position; `new_data` (train.py --new-data): in data of another length too."""
+        for key in ("seed", "seq_len", "global_batch") + (() if new_data else ("windows_per_epoch",)):
             if state[key] != getattr(self, key):
                 raise DataError(f"the saved data position is for {key}={state[key]} but this run has "
                                 f"{getattr(self, key)}: resume with the same data and settings")

@@ -21,12 +21,20 @@ machine, and signatures computed by different workers can be compared: the step 
 LSH (locality-sensitive hashing; Leskovec, Rajaraman & Ullman, "Mining of Massive Datasets", ch. 3).
 Cut the signature into b = 16 bands of r = 8 rows. Two documents whose band k is equal share a
 bucket of band k; a pair with similarity s shares at least one bucket with probability
-1 - (1 - s^r)^b, an S-curve: 6% at s = 0.5, 61% at 0.7, 95% at 0.8, 99.99% at 0.9.
+1 - (1 - s^r)^b, an S-curve: 6% at s = 0.5, 61% at 0.7, 95% at 0.8, 99.99% at 0.9. That is the
+chance to be *compared*. A compared pair is then joined only if its estimate reaches the threshold,
+and near the threshold its error (+-0.035 at s = 0.8) often leaves it short: measured (lesson 3,
+and tests/test_data.py on 300-word documents), 67% to 77% of the pairs of similarity [0.80, 0.85)
+are found, 98% of [0.85, 0.90), all above 0.9; and a fifth to a quarter of those of [0.75, 0.80)
+are joined too.
 
 Linear in a bucket's size. A bucket is found by sorting the band's 64-bit keys (no dictionary of
 all documents). Inside it, in an order shuffled differently in every band, each member is compared
 on the full signature with the two members before it: k near copies of one template cost at most
 2 x 16 x k comparisons, not 16 k^2/2 pairs, and over 16 bands each document meets many partners.
+The shuffle is keyed on a hash of each document's signature, never on its position: the same
+documents meet the same partners in any corpus order, so the clusters are the same sets of documents
+however the corpus is ordered (only which member a cluster keeps follows the order).
 Each confirmed pair (estimated J >= threshold) joins two clusters (union-find, the smaller index as
 the root). The rule: a cluster keeps its earliest document in corpus order and drops every other
 member, so a planted cluster keeps exactly one document, even a chain A~B~C where A and C are
@@ -62,6 +70,9 @@ _B = (mix64(np.arange(NUM_PERM, dtype=U64) + U64(0xB00B5)) >> U64(32)).astype(U3
 def word_hashes(text: str) -> np.ndarray:
     """One uint64 per word (words split at whitespace, as str.split does): the first 8 bytes of the
     word's blake2b digest, read little-endian, so a function of the word's characters alone."""
+    if not isinstance(text, str):  # bytes would split, then fail to encode: say what is wrong instead
+        raise TypeError(f"MinHash signs text (str), not {type(text).__name__}: decode it first "
+                        "(data.py reads every file as UTF-8)")
     words = text.split()
     distinct = {w: i for i, w in enumerate(dict.fromkeys(words))}  # hash each distinct word once
     digests = b"".join(hashlib.blake2b(w.encode("utf-8", "surrogatepass"), digest_size=8).digest()
@@ -137,6 +148,16 @@ def band_key_table(sig: np.ndarray, ids: np.ndarray, out: np.ndarray | None = No
     return out
 
 
+def content_hashes(keys: np.ndarray) -> np.ndarray:
+    """One uint64 per document from its BANDS band keys (so from its whole signature, a function of
+    its text alone): what orders a bucket's members, so that which pairs are compared, and so the
+    clusters, do not depend on where the documents sit in the corpus."""
+    h = np.zeros(keys.shape[1], dtype=U64)
+    for band in range(BANDS):
+        h = mix64(h ^ np.asarray(keys[band]))
+    return h
+
+
 def _find(parent: np.ndarray, x: int) -> int:
     while parent[x] != x:  # path halving: every other node on the way points to its grandparent
         parent[x] = parent[parent[x]]
@@ -183,7 +204,8 @@ def cluster(sig: np.ndarray, threshold: float, ids: np.ndarray | None = None, ke
     """Near-duplicate clusters among rows `ids` (default: all) of `sig` ((n, NUM_PERM), an array or an
     on-disk np.memmap); `keys` is their band_key_table if it was computed already.
 
-    Per band: sort by band key, and inside a bucket in an order shuffled per band; compare each member
+    Per band: sort by band key, and inside a bucket in an order shuffled per band by content (the
+    documents' signatures, not their positions: the clusters do not depend on order); compare each member
     with the WINDOW members before it on the whole signature, and join the two clusters where the
     estimated Jaccard is >= threshold. A bucket of k documents costs WINDOW * k comparisons, and the
     shuffle gives every member other partners in every band, so a cluster is joined up through any of
@@ -194,8 +216,9 @@ def cluster(sig: np.ndarray, threshold: float, ids: np.ndarray | None = None, ke
     parent = np.arange(m, dtype=np.int64)
     need = threshold * sig.shape[1]  # equal entries a confirmed pair needs
     compared = 0
+    content = content_hashes(keys)
     for band in tqdm(range(BANDS), desc="dedup", unit="band", disable=not verbose or m < 2, file=sys.stderr):
-        shuffle = mix64(ids.astype(U64) ^ U64(0x9E3779B97F4A7C15 * (band + 1) % 2**64))
+        shuffle = mix64(content ^ U64(0x9E3779B97F4A7C15 * (band + 1) % 2**64))
         order = np.lexsort((shuffle, keys[band]))  # by bucket, then in this band's shuffled order
         sorted_keys = np.asarray(keys[band])[order]
         first = np.maximum.accumulate(np.where(np.r_[False, sorted_keys[1:] == sorted_keys[:-1]], 0, np.arange(m)))

@@ -11,6 +11,10 @@ match: a model is only valid with its own) and the run's flags (`meta.config`, w
 the GPT-2 tokenizer's file). A Hugging Face directory has its config.json, and the tokenizer under
 "nanoscale" when checkpoint.py exported it (plain GPT-2 otherwise).
 
+A run that is still training can be sampled: the checkpoint read is pinned (checkpoint.pin: its files
+mapped, then checked), so the run deleting it beyond --keep cannot pull it away mid-read, and one that
+vanishes before it is pinned is passed over, silently, for the newer one.
+
 Any layout loads anywhere. `checkpoint.consolidate` rebuilds every full tensor from whatever wrote it
 (ZeRO's flat pieces, tensor-parallel slices, pipeline stages), and each process keeps the part its
 own layout needs (`checkpoint.local_part`): one process all of it; under torchrun with --tp and --pp,
@@ -59,7 +63,6 @@ import parallel
 import pipeline
 import shard
 import stability
-import storage
 import tokenizer
 from cli import arg, at_least
 
@@ -108,14 +111,14 @@ class Source:
     arch: dict  # GPTConfig fields that fix the shapes (GPTConfig.architecture())
     tok: tokenizer.Tokenizer
     about: str  # for the line on stderr
-    manifest: dict | None = None  # a checkpoint's (verified); None for a Hugging Face directory
+    reader: checkpoint.Reader | None = None  # a checkpoint's, pinned; None for a Hugging Face directory
 
     def load_into(self, model: torch.nn.Module) -> None:
         """Copy this rank's slice of every parameter (a pipeline stage has only its own)."""
-        if self.manifest is None:
+        if self.reader is None:
             hf.load_hf(model, self.path)
             return
-        full = checkpoint.consolidate(self.path, self.manifest)
+        full = checkpoint.consolidate(self.reader)
         with torch.no_grad():
             for name, p in model.named_parameters():
                 key = gpt.canonical_name(name)  # a last stage's lm_head is the tied embedding
@@ -134,29 +137,30 @@ def find_source(cfg: SampleConfig, log) -> Source:
     if (path / "config.json").is_file():
         return hf_source(path)
     if (path / "manifest.json").exists():
-        return checkpoint_source(path, storage.verify(path))
+        return checkpoint_source(checkpoint.pin(path))
     if (path / "ckpt").is_dir():  # a run directory
         path = path / "ckpt"
     if not path.is_dir():
         raise checkpoint.CheckpointError(f"{path}: {'not a directory' if path.exists() else 'no such directory'}; "
                                          "--ckpt takes a run directory (train.py's --out), a ckpt/ directory, a "
                                          "step_XXXXXXXX checkpoint or a Hugging Face GPT-2 directory")
-    if not checkpoint.candidates(path, log=lambda msg: None):  # latest() below reports what it finds
+    if not checkpoint.candidates(path, log=lambda msg: None):  # newest() below reports what it finds
         raise checkpoint.CheckpointError(f"{path} holds no checkpoint (a run saves one at its end and every "
                                          "--ckpt-every steps)")
-    found = checkpoint.latest(path, log)
+    found = checkpoint.newest(path, log)  # pinned: a training run's cleanup can no longer take it away
     if found is None:
         raise checkpoint.CheckpointError(f"no usable checkpoint in {path} (each one's problem is above)")
-    return checkpoint_source(found, storage.read_manifest(found))  # latest() has checked its files
+    return checkpoint_source(found)
 
 
-def checkpoint_source(path: Path, manifest: dict) -> Source:
+def checkpoint_source(reader: checkpoint.Reader) -> Source:
+    path, manifest = reader.path, reader.manifest
     meta = manifest["meta"]
     if not isinstance(meta.get("model"), dict) or not isinstance(meta.get("tokenizer"), str):
         raise checkpoint.CorruptCheckpoint(f"{path}: its manifest does not describe the model and tokenizer")
     tok = tokenizer_for(meta["tokenizer"], (meta.get("config") or {}).get("cache_dir"), path)
     layout = " x ".join(f"{k} {v}" for k, v in manifest["layout"].items() if v > 1) or "one process"
-    return Source(path, meta["model"], tok, f"{path} (step {manifest['step']}, saved by {layout})", manifest)
+    return Source(path, meta["model"], tok, f"{path} (step {manifest['step']}, saved by {layout})", reader)
 
 
 def hf_source(path: Path) -> Source:

@@ -33,7 +33,9 @@ the files that hold it.
    flipped bit in a tensor's name is then caught like a flipped bit in its values. A schema check
    (`check_schema`) makes well-formed JSON of the wrong shape fail with a name rather than as a
    KeyError later. `verify` does all of it: the manifest's own hash, its schema, then every file
-   against its size and sha256. Whatever it finds wrong is a `CorruptCheckpoint`.
+   against its size and sha256; `verify_mapped` checks a file after mapping it (`map_file`), so that
+   the bytes checked are the bytes then read, even if the file is deleted meanwhile (checkpoint.pin).
+   Whatever they find wrong is a `CorruptCheckpoint`.
 """
 
 import hashlib
@@ -151,9 +153,21 @@ def _safetensors_header(raw: np.ndarray, path: Path) -> tuple[int, dict]:
         raise CheckpointError(f"{path}: not a safetensors file (unreadable header)") from None
 
 
+def map_file(path: Path) -> np.ndarray:
+    """The bytes of a file, memory-mapped: read from disk only when used, and still readable after the
+    file is deleted (the mapping holds it), so a reader that has mapped a checkpoint keeps it."""
+    if Path(path).stat().st_size == 0:
+        return np.zeros(0, dtype=np.uint8)  # mmap cannot map zero bytes
+    return np.memmap(path, dtype=np.uint8, mode="c")  # copy-on-write: torch wants writable memory
+
+
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     """Tensors backed by a memory map of the file: nothing is read until it is used."""
-    raw = np.memmap(path, dtype=np.uint8, mode="c")  # copy-on-write: torch wants writable memory
+    return safetensors_tensors(map_file(path), path)
+
+
+def safetensors_tensors(raw: np.ndarray, path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a mapped safetensors file (`path` names it in errors)."""
     n, header = _safetensors_header(raw, path)
     out = {}
     for name, info in header.items():
@@ -168,8 +182,9 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def safetensors_metadata(path: Path) -> dict[str, str]:
-    raw = np.memmap(path, dtype=np.uint8, mode="r")
+def safetensors_metadata(path: Path, raw: np.ndarray | None = None) -> dict[str, str]:
+    """The metadata of a safetensors file (from `raw`, its bytes, when they are mapped already)."""
+    raw = map_file(path) if raw is None else raw
     return _safetensors_header(raw, path)[1].get("__metadata__", {})
 
 
@@ -252,7 +267,15 @@ def read_manifest(path: Path) -> dict:
 def verify_file(path: Path, want: dict) -> None:
     if not path.is_file():
         raise CorruptCheckpoint(f"{path} is missing")
-    digest, size = sha256_file(path)
+    check_bytes(*sha256_file(path), want, path)
+
+
+def verify_mapped(raw: np.ndarray, want: dict, path: Path) -> None:
+    """verify_file for bytes already mapped (map_file): what is checked is what will be read."""
+    check_bytes(sha256_bytes(memoryview(raw)), raw.size, want, path)
+
+
+def check_bytes(digest: str, size: int, want: dict, path: Path) -> None:
     if size != want["bytes"]:
         raise CorruptCheckpoint(f"{path} has {size} bytes, the manifest says {want['bytes']} (truncated?)")
     if digest != want["sha256"]:
@@ -260,7 +283,8 @@ def verify_file(path: Path, want: dict) -> None:
 
 
 def verify(path: Path) -> dict:
-    """Check the manifest, then every file against its size and sha256; return the manifest."""
+    """Check the manifest, then every file against its size and sha256; return the manifest (what a
+    script needs; a reader that then reads the files pins them instead, checkpoint.pin)."""
     manifest = read_manifest(path)
     for name, want in manifest["files"].items():
         verify_file(path / name, want)

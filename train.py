@@ -120,6 +120,7 @@ class Run:
     guard: stability.SpikeGuard
     saver: checkpoint.Saver
     run_id: str
+    data_sha256: str  # the prepared data's identity (its shards' sha256), recorded in every checkpoint
     lock: rundir.Lock | None = None  # rank 0's lock on --out: held for as long as this object lives
     sync: gradients.GradSync | None = None  # data-parallel gradient averaging
     pipe: pipeline.Pipeline | None = None  # this rank's pipeline stage, when --pp > 1
@@ -146,7 +147,7 @@ class Run:
     def load_state_dict(self, state: dict) -> None:
         self.step = state["step"]
         self.scaler.load_state_dict(state["scaler"])
-        self.loader.load_state_dict(state["loader"])
+        self.loader.load_state_dict(state["loader"], new_data=self.cfg.new_data)
         self.batches_drawn, self.skip_batches = state["batches_drawn"], list(state["skip_batches"])
         self.guard.history = list(state["guard"])
 
@@ -213,8 +214,9 @@ def setup(cfg: config.TrainConfig) -> Run:
         grid.log(str(grid))
     layer_stats = stats.LayerStats(model, grid, sync, opt, model_cfg.n_layer, cfg.stats_every,
                                    skip_first=cfg.comm_report or cfg.memory_report)  # their step's bytes stay exact
+    data_sha256 = ", ".join(f"{s} {data.shard_sha256(prepared / f'{s}.bin')[:16]}" for s in ("train", "val"))
     return Run(cfg, device, precision, grid, tok, model_cfg, model, opt, scaler, loader, val, guard, saver, run_id,
-               lock=lock, sync=sync, pipe=stages, gather=gather, layer_stats=layer_stats)
+               data_sha256, lock=lock, sync=sync, pipe=stages, gather=gather, layer_stats=layer_stats)
 
 
 def claim_out(cfg: config.TrainConfig, grid: parallel.Grid) -> tuple[rundir.Lock | None, str]:
@@ -374,11 +376,11 @@ def crash_due(run: Run, event: str) -> bool:
 
 def checkpoint_meta(run: Run) -> dict:
     """What a checkpoint must agree with to be resumed: everything that fixes the math of a step
-    (checkpoint.check_compatible compares every key but "config")."""
+    (checkpoint.check_compatible compares every key but "config"; the DATA keys too, unless --new-data)."""
     cfg = run.cfg
     return {"model": run.model_cfg.architecture(), "tokenizer": run.tok.identity(), "data": cfg.data,
-            "batch_size": cfg.batch_size, "seq_len": cfg.seq_len, "seed": cfg.seed, "precision": cfg.precision,
-            "config": asdict(cfg)}
+            "data_sha256": run.data_sha256, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len, "seed": cfg.seed,
+            "precision": cfg.precision, "config": asdict(cfg)}
 
 
 # Flags that may change when a run resumes, and what the change does (the others must match, or
@@ -417,10 +419,22 @@ def resume_changes(run: Run, saved: dict, saved_layout: dict) -> list[str]:
     return lines
 
 
+# What names the data a checkpoint was trained on: a change is refused, or with --new-data logged.
+DATA = {"data": "--data", "data_sha256": "the prepared data's sha256"}
+
+
+def data_changes(run: Run, saved: dict) -> list[str]:
+    """--new-data: one line per way the data differs from the checkpoint's."""
+    now = checkpoint_meta(run)
+    return [f"resume: {what} {saved[key]} -> {now[key]}: --new-data goes on from the checkpoint's position in "
+            "other data; the steps from here on are not the original run's"
+            for key, what in DATA.items() if key in saved and saved[key] != now[key]]
+
+
 def restore(run: Run, announce: bool) -> bool:
     """Load the newest usable checkpoint of this run, if there is one; say what changed."""
     found = checkpoint.restore(Path(run.cfg.out) / "ckpt", run.model, run.opt, run.grid, checkpoint_meta(run),
-                               run.run_id, log=run.grid.log)
+                               run.run_id, log=run.grid.log, allowed=DATA if run.cfg.new_data else ())
     if found is None:
         return False
     path, extra, manifest = found
@@ -428,7 +442,8 @@ def restore(run: Run, announce: bool) -> bool:
     run.saved_step = run.step
     if announce:
         run.grid.log(f"resuming from {path} (step {run.step})")
-        for line in resume_changes(run, manifest["meta"].get("config", {}), manifest["layout"]):
+        for line in resume_changes(run, manifest["meta"].get("config", {}), manifest["layout"]) + \
+                data_changes(run, manifest["meta"]):
             run.grid.log(line)
     return True
 

@@ -1,6 +1,7 @@
 """checkpoint.py and the guards: a run can die at any instant and continue as if it had not."""
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -77,6 +78,33 @@ def test_incompatible_checkpoint_is_refused(corpus, tmp_path):
 def test_keep_removes_only_older_complete_checkpoints(corpus, tmp_path):
     run_train(corpus, tmp_path, *RUN, "--keep", "2")
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*")) == ["step_00000006", "step_00000008"]
+
+
+def test_cleanup_counts_and_deletes_only_this_runs_own_checkpoints(corpus, tmp_path):
+    run_train(corpus, tmp_path / "other", *RUN, "--max-steps", "2")  # another run's checkpoint, to copy in
+    run, ckpt = tmp_path / "run", tmp_path / "run" / "ckpt"
+    run_train(corpus, run, *RUN, "--max-steps", "4", "--keep", "2")
+    foreign = tmp_path / "other" / "ckpt" / "step_00000002"
+    shutil.copytree(foreign, ckpt / "step_00000099")  # newer than anything of this run
+    shutil.copytree(foreign, ckpt / "step_00000006")  # where this run will save its step 6
+    shutil.copytree(ckpt / "step_00000004", ckpt / "step_00000004.bak")  # a user's backup
+    resumed = run_train(corpus, run, *RUN, "--max-steps", "8", "--keep", "2")
+    assert "(step 4)" in resumed.stdout
+
+    def run_of(path):
+        return json.loads((path / "manifest.json").read_text())["run"]
+    mine = json.loads((run / "run.json").read_text())["run"]
+    assert sorted(p.name for p in ckpt.glob("step_*") if run_of(p) == mine and ".bak" not in p.name) == \
+        ["step_00000006", "step_00000008"]  # --keep 2 of this run's own
+    for copy in [ckpt / "step_00000099", *ckpt.glob("step_00000006.moved-aside-*")]:  # untouched, not deleted
+        assert sorted(f.read_bytes() for f in copy.iterdir()) == sorted(f.read_bytes() for f in foreign.iterdir())
+    assert len(list(ckpt.glob("step_00000006.moved-aside-*"))) == 1 and (ckpt / "step_00000004.bak").is_dir()
+
+    victim = ckpt / "step_00000008" / "rank00000.safetensors"  # and the run can still fall back
+    victim.write_bytes(victim.read_bytes()[:-8])
+    fallen = run_train(corpus, run, *RUN, "--max-steps", "10", "--keep", "2")
+    assert "written by another run" in fallen.stdout and "resuming from" in fallen.stdout
+    assert "(step 6)" in fallen.stdout
 
 
 def test_async_saves_write_the_same_checkpoints(corpus, tmp_path):

@@ -147,6 +147,65 @@ def test_a_bucket_of_4000_near_copies_costs_linear_work_and_flat_memory():
     assert peak < 24e6, f"{peak / 1e6:.1f} MB"
 
 
+def template_corpus(n: int, seed: int) -> list[str]:
+    """n documents from one 200-word template, each with 1-12 words replaced: one huge bucket per band,
+    whose members range from near copies of each other to pairs below the threshold."""
+    rng = np.random.default_rng(seed)
+    base = rng.choice(WORDS, 200)
+    docs = []
+    for _ in range(n):
+        words = base.copy()
+        words[rng.choice(200, rng.integers(1, 13))] = rng.choice(WORDS, 1)
+        docs.append(" ".join(words))
+    return list(dict.fromkeys(docs))
+
+
+def test_clusters_are_the_same_sets_of_documents_in_any_corpus_order():
+    docs = template_corpus(3000, seed=12)
+    sig = dedup.signatures(docs)
+
+    def clusters(order: np.ndarray) -> set[frozenset[int]]:
+        """The partition of the documents (by their index in `docs`), clustering them in `order`."""
+        groups = {}
+        for position, root in enumerate(dedup.cluster(sig[order], 0.8).root.tolist()):
+            groups.setdefault(root, set()).add(int(order[position]))
+        return {frozenset(g) for g in groups.values()}
+
+    reference = clusters(np.arange(len(docs)))
+    assert max(len(g) for g in reference) > 500 and len(reference) > 100  # big clusters, and many loners
+    for seed in range(3):  # which pairs a bucket compares follows content, not position
+        assert clusters(np.random.default_rng(seed).permutation(len(docs))) == reference
+
+
+def test_detection_near_the_threshold_is_what_the_docstring_says():
+    """dedup.py's numbers: the S-curve (the chance to be compared) and, lower, the share of pairs found
+    after the estimate check, by true Jaccard similarity."""
+    rng = np.random.default_rng(13)
+    docs, pairs = [], []
+    for _ in range(1600):
+        a = text(rng, 300).split()
+        b = list(a)
+        for p in rng.choice(300, rng.integers(1, 9), replace=False):  # 1-8 words replaced: J from ~0.97 to ~0.76
+            b[p] = f"new{rng.integers(10**9)}"
+        sa, sb = dedup.shingle_hashes(" ".join(a)), dedup.shingle_hashes(" ".join(b))
+        pairs.append((len(docs), len(np.intersect1d(sa, sb)) / len(np.union1d(sa, sb))))
+        docs += [" ".join(a), " ".join(b)]
+    root = dedup.cluster(dedup.signatures(docs), 0.8).root
+    found = {(lo, hi): [root[k] == root[k + 1] for k, j in pairs if lo <= j < hi]
+             for lo, hi in ((0.75, 0.8), (0.8, 0.85), (0.85, 0.9), (0.9, 1.0))}
+    assert all(len(v) > 150 for v in found.values())
+    rate = {k: float(np.mean(v)) for k, v in found.items()}
+    assert round(dedup.candidate_probability(0.8), 2) == 0.95  # compared: 95% at s = 0.8
+    assert 0.15 < rate[0.75, 0.8] < 0.35  # "a fifth to a quarter of [0.75, 0.80) are joined"
+    assert 0.60 < rate[0.8, 0.85] < 0.85  # "67% to 77% of [0.80, 0.85)"
+    assert 0.95 < rate[0.85, 0.9] < 1 and rate[0.9, 1.0] == 1  # "98% of [0.85, 0.90), all above 0.9"
+
+
+def test_a_signature_of_bytes_is_refused_clearly():
+    with pytest.raises(TypeError, match=r"str\), not bytes: decode it first"):
+        dedup.signature(b"some bytes that look like text")
+
+
 def test_planted_clusters_keep_exactly_their_earliest_document(tmp_path):
     rng = np.random.default_rng(11)
     planted = []

@@ -128,6 +128,22 @@ def test_legitimate_changes_on_resume_are_logged_with_their_effect(straight, cor
     assert "resume: --micro-batch-size 8 -> 4: a layout change" in resumed.stdout
 
 
+def test_a_changed_corpus_of_the_same_length_is_noticed_on_resume(corpus, tmp_path):
+    text = Path(corpus["data"]).read_text()
+    own = {"data": str(tmp_path / "corpus.txt"), "cache": corpus["cache"]}
+    Path(own["data"]).write_text(text)
+    run_train(own, tmp_path / "run", *RUN, "--max-steps", "4")
+    Path(own["data"]).write_text(text.swapcase())  # the same length, other data: re-prepared, other tokens
+    refused = run_train(own, tmp_path / "run", *RUN, check=False)
+    line = last_line(refused)
+    assert refused.returncode == 2 and line.startswith("error: ") and "data_sha256: checkpoint has train " in line
+    assert "--new-data" in line and [r["step"] for r in metrics(tmp_path / "run")] == [1, 2, 3, 4]  # no step
+    accepted = run_train(own, tmp_path / "run", *RUN, "--new-data")
+    assert "resume: the prepared data's sha256 train " in accepted.stdout and "(step 4)" in accepted.stdout
+    assert "the steps from here on are not the original run's" in accepted.stdout
+    assert [r["step"] for r in metrics(tmp_path / "run")] == [1, 2, 3, 4, 5, 6]
+
+
 # ----------------------------------------------------------------------------- 3: one run per directory
 
 

@@ -8,15 +8,17 @@ one process, greedy and sampled, and through a Hugging Face export; under torchr
 
 import ast
 import io
+import os
 import random
 import re
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
-from conftest import ROOT, run_train
+from conftest import ROOT, run_train, train_command
 
 import checkpoint
 import parallel
@@ -175,6 +177,63 @@ def test_bad_input_is_one_line(runs, capsys, tmp_path):
     err = capsys.readouterr().err.splitlines()
     assert err[0].startswith("checkpoint unusable, trying an older one: ") and "sha256" in err[0]
     assert err[1:] == [f"error: no usable checkpoint in {tmp_path / 'ckpt'} (each one's problem is above)"]
+
+
+def test_sampling_while_a_run_saves_every_step_with_keep_1(corpus, tmp_path):
+    """sample.py on a run's --out while the run replaces its only checkpoint every step: each read pins
+    the checkpoint it picked (its files mapped, then checked), so cleanup cannot delete it from under
+    the reader, and one that vanishes before it is pinned is passed over in silence for the newer one."""
+    out = tmp_path / "run"
+    trainer = subprocess.Popen(train_command(corpus, out, "--max-steps", "40", "--ckpt-every", "1", "--keep", "1",
+                                             "--eval-every", "40"), stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        while not (out / "ckpt" / "latest").exists() and trainer.poll() is None:
+            time.sleep(0.01)
+        failures, steps, reads = [], set(), 0
+        while trainer.poll() is None:
+            err = io.StringIO()
+            try:
+                sample.run(sample.parse_args(["--device", "cpu", "--ckpt", str(out), "--tokens", "2"]),
+                           parallel.init_grid(1, 1, torch.device("cpu")), out=io.StringIO(), err=err)
+                steps.add(re.search(r"step_(\d+)", err.getvalue()).group(1))
+                reads += 1
+            except Exception as e:  # noqa: BLE001 -- every way a read can fail is a failure here
+                failures.append(f"{e.__class__.__name__}: {e}")
+            if "unusable" in err.getvalue():  # misleading: a replaced checkpoint is not a broken one
+                failures.append(err.getvalue())
+    finally:
+        trainer.kill() if trainer.poll() is None else None
+    assert trainer.wait() == 0, trainer.stderr.read()[-3000:]
+    assert not failures, f"{len(failures)} failures in {reads} reads: {failures[:3]}"
+    assert reads >= 10 and len(steps) >= 3  # many reads, of checkpoints that kept changing under them
+
+
+def test_a_pinned_checkpoint_is_read_whole_after_it_is_deleted(runs, tmp_path, monkeypatch):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(runs["one"][0] / "ckpt", ckpt)
+    reader = checkpoint.pin(ckpt / "step_00000004")
+    expected = checkpoint.consolidate(runs["one"][0] / "ckpt" / "step_00000004")
+    shutil.rmtree(ckpt / "step_00000004")  # the run's cleanup, right after the reader pinned it
+    got = checkpoint.consolidate(reader)
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
+
+    # vanishing after its manifest was read, before its files were mapped: the directory is listed again
+    shutil.copytree(runs["one"][0] / "ckpt" / "step_00000004", ckpt / "step_00000004")
+    (ckpt / "latest").write_text("step_00000004")
+    opened, map_file = [], checkpoint.storage.map_file
+
+    def cleanup_strikes(file):
+        if not opened:  # the first file the reader maps: the run commits step 6, then deletes step 4
+            shutil.copytree(runs["one"][0] / "ckpt" / "step_00000004", ckpt / "step_00000006")
+            (ckpt / "latest").write_text("step_00000006")
+            shutil.rmtree(ckpt / "step_00000004")
+        opened.append(file)
+        return map_file(file)
+    monkeypatch.setattr(checkpoint.storage, "map_file", cleanup_strikes)
+    messages = []
+    found = checkpoint.newest(ckpt, log=messages.append)
+    assert found.path == ckpt / "step_00000006" and messages == []  # no "unusable" for a replaced checkpoint
 
 
 def test_help_documents_every_flag_with_its_default(capsys):

@@ -1,5 +1,6 @@
 """train.py: the command line, determinism, precision, the loss scaler, and clear errors."""
 
+import json
 import math
 import os
 import subprocess
@@ -39,11 +40,16 @@ def test_a_batch_that_does_not_split_fails_before_any_data_is_read(corpus, tmp_p
 
 
 def test_same_seed_gives_bitwise_identical_losses(corpus, tmp_path):
-    run_train(corpus, tmp_path / "a", "--max-steps", "6")
-    run_train(corpus, tmp_path / "b", "--max-steps", "6")
+    """Evaluation and sampling too: on one machine, with one thread, a command repeats to the bit (another
+    CPU's kernels, or another number of threads, round otherwise: DESIGN.md, "Same bits")."""
+    logs = [run_train(corpus, tmp_path / x, "--max-steps", "6", "--sample-tokens", "24").stdout for x in "ab"]
     run_train(corpus, tmp_path / "c", "--max-steps", "2", "--seed", "7")
     a, b, c = (metrics(tmp_path / x) for x in "abc")
-    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    assert [(r["loss"], r.get("val_loss")) for r in a] == [(r["loss"], r.get("val_loss")) for r in b]
+    assert [line for line in logs[0].splitlines() if "sample: " in line] == \
+        [line for line in logs[1].splitlines() if "sample: " in line] != []
+    manifests = [json.loads((tmp_path / x / "ckpt" / "step_00000006" / "manifest.json").read_text()) for x in "ab"]
+    assert manifests[0]["files"] == manifests[1]["files"]  # the same bytes, sha256 and all
     assert [r["loss"] for r in a[:2]] != [r["loss"] for r in c]
     assert set(a[-1]) >= {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "val_loss"}
 
