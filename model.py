@@ -14,8 +14,9 @@ Three things here exist for the rest of the codebase:
 1. Layout-independent initialization. `init_value(name, shape, seed)` draws a parameter's
    *full* initial value from a generator seeded by (seed, name) alone. `materialize` builds
    each parameter of a model that was constructed on the `meta` device (no memory), and takes
-   an optional `shard_fn` that cuts out the slice a rank keeps. So every parallel layout,
-   which only changes the slices, starts from exactly the same weights.
+   an optional `shard_fn` that cuts out the slice a rank keeps (or gives each parameter only its
+   shape, for ZeRO-3, whose optimizer draws the values and keeps its own part). So every
+   parallel layout, which only changes the slices, starts from exactly the same weights.
 2. Seams for parallelism. The forward is `embed -> blocks -> head -> loss`, blocks are
    run in whatever order `transformer.h` holds them, and attention infers its number of heads
    from the projection's width. The loss and the gathering of logits for sampling are layers

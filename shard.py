@@ -4,6 +4,7 @@
                                  ─▶ context parallel: ring or Ulysses attention cores (context.py)
                                  ─▶ pipeline parallel: keep this stage's blocks (keep_stage)
                                  ─▶ materialize: each parameter's slice of its (seed, name) value
+                                    (ZeRO-3: shapes only; zero.ZeroAdamW draws and keeps its shard)
 
 `build_model` is the only way a rank gets a model, so every layout starts from the same weights
 (DESIGN.md, principles 1 and 2). Every tensor that is split records how (`shard`: split dim `dim`
