@@ -25,8 +25,8 @@ a tensor's name is caught like a flipped bit in its values. A checkpoint that fa
 different setup (another model, tokenizer, batch, precision) is "incompatible", and the run stops.
 Each checkpoint records the id of the run that wrote it, and a run only ever resumes its own.
 
-The write is atomic: files go to `.tmp-step_XXXXXXXX/`, are fsynced and read back against their
-sha256; rank 0 waits for every rank's .json, writes the manifest, renames the directory into
+The write is atomic: files go to `.tmp-step_XXXXXXXX/`, are hashed as they are written and
+fsynced; rank 0 waits for every rank's .json, writes the manifest, renames the directory into
 place and only then moves `latest`. A crash at any instant leaves the previous checkpoint
 intact and `latest` pointing at a complete one. Then the run deletes its own oldest checkpoints
 beyond --keep, and only its own: a step_XXXXXXXX directory whose manifest names this run (a copy
@@ -42,8 +42,12 @@ lists the directory again and takes the newer one (`newest`).
 Saving asynchronously costs the training loop only a copy. On a GPU: a device-to-host copy into
 pinned buffers, issued on a side CUDA stream so that it overlaps the next forward and backward
 (which only read the weights); the optimizer step, which writes them, first makes the GPU wait for
-that copy (`Saver.fence`). A background thread then writes the file. Its heavy parts, writing,
-hashing and fsync, release Python's GIL, so the training thread keeps launching work meanwhile.
+that copy (`Saver.fence`). Nothing of it is read on the host before then, not even the optimizer's
+step count (a tensor, copied with the rest). A background thread then writes the file. Its heavy
+parts, writing, hashing and fsync, release Python's GIL, so the training thread keeps launching
+work meanwhile. When the disk is slower than --ckpt-every steps, a save finds the previous one
+still being written: a periodic save is skipped, with one line, rather than stopping the loop to
+wait (the final save waits); --keep counts the checkpoints that were written.
 
 The format is sharded from day one: each tensor entry records which slice of the full tensor
 the file holds (`shard`: split `dim` into `count` parts, optionally within `groups` blocks, keep
@@ -78,6 +82,7 @@ from storage import CheckpointError, CorruptCheckpoint  # raised by storage.py's
 from zero import ZeroAdamW
 
 STEP_DIR = re.compile(r"step_\d{8}")
+OPT_STEPS = "optimizer steps"  # the host copy of optimizer_steps(opt), among a save's tensors (not written as one)
 
 
 class IncompatibleCheckpoint(CheckpointError):
@@ -147,12 +152,13 @@ def weights_sharded(opt) -> bool:
     return isinstance(opt, ZeroAdamW) and opt.stage == 3
 
 
-def optimizer_steps(opt) -> int:
-    """Updates the optimizer has made (AdamW's bias correction depends on it)."""
+def optimizer_steps(opt) -> torch.Tensor:
+    """Updates the optimizer has made (AdamW's bias correction depends on it), as the tensor it keeps:
+    read with the other tensors of a save, not on its own (on a GPU each read would wait for it)."""
     if isinstance(opt, ZeroAdamW):
-        return opt.t
-    steps = [int(s["step"]) for s in opt.state.values() if "step" in s]
-    return steps[0] if steps else 0
+        return opt.steps
+    steps = next((s["step"] for s in opt.state.values() if "step" in s), None)  # every parameter's is the same
+    return torch.zeros(()) if steps is None else steps
 
 
 def full_shape(info: dict) -> list[int]:
@@ -170,6 +176,11 @@ class Saver:
     `save` returns once the state is copied (on a GPU: once the copy is *issued*; call `fence`
     before changing the weights), and `wait` returns once the checkpoint is complete.
 
+    A background write still going when the next save comes is either not waited for, and that save
+    is skipped (`skippable`: the periodic saves), or waited for (every other save: the final one).
+    Every rank must make the same choice, so they agree on it in one small all-reduce, which also
+    orders rank 0's preparation of the directory before anyone writes into it.
+
     Each finished save is described by a dict: its step, bytes, the seconds the training thread
     spent in `save` (`blocking_s`: the whole write when synchronous, the copy when not), and the
     seconds from the start of the save to the commit (`write_s`)."""
@@ -179,30 +190,40 @@ class Saver:
         self.dir, self.keep, self.asynchronous, self.grid = Path(ckpt_dir), keep, asynchronous, grid
         self.run, self.timeout_s = run, timeout_s
         self.thread: threading.Thread | None = None
+        self.writing: int | None = None  # the step the background thread is (or was last) writing
         self.error: BaseException | None = None
         self.host: dict[str, torch.Tensor] = {}  # reusable host copies, pinned on a GPU machine
         self.stream, self.copied = None, None  # the side stream of the copy, and its "done" event
         self.last: dict | None = None
         self.finished: list[dict] = []  # saves completed since the caller last looked (pop_finished)
 
-    def save(self, step: int, model, opt, extra: dict, meta: dict, crash_mid_save: bool = False) -> None:
+    def save(self, step: int, model, opt, extra: dict, meta: dict, crash_mid_save: bool = False,
+             skippable: bool = False) -> bool:
+        """Save `step`; False if it was skipped instead (`skippable`, while a save is being written)."""
         t0 = time.perf_counter()
-        self.wait()  # the previous write must be done before its buffers are reused
+        busy = self.thread is not None and self.thread.is_alive()
+        if not (busy and skippable):
+            self.wait()  # the previous write must be done before its buffers are reused
+            busy = False
         grid, tmp = self.grid, self.dir / f".tmp-step_{step:08d}"
-        if grid.rank == 0:
+        if grid.rank == 0 and not busy:
             self._fail_cleanly(step, self._prepare_tmp, tmp)
-        grid.barrier()
-        host = self._to_host(tensor_entries(model, opt, grid))
-        rank_state = {"extra": {**extra, "step": step, "opt_step": optimizer_steps(opt)},
-                      "rng": rng_state(grid.device)}
+        if not agree(grid, not busy):  # (a collective: after rank 0 prepared the directory, before any write)
+            return False
+        self.wait()  # finished on this rank: surface its error, if it had one
+        entries = tensor_entries(model, opt, grid)
+        host = self._to_host({**{key: t for key, (t, _) in entries.items()}, OPT_STEPS: optimizer_steps(opt)})
+        rank_state = {"extra": {**extra, "step": step}, "rng": rng_state(grid.device)}
         record = {"step": step}  # the writer adds the bytes and seconds, then appends it to `finished`
-        args = (step, tmp, host, self.copied, rank_state, meta, crash_mid_save, record, t0)
+        args = (step, tmp, entries, host, self.copied, rank_state, meta, crash_mid_save, record, t0)
+        self.writing = step
         if self.asynchronous:
             self.thread = threading.Thread(target=self._write_catching, args=args, name="ckpt-writer")
             self.thread.start()
         else:
             self._fail_cleanly(step, self._write, *args)
         record["blocking_s"] = time.perf_counter() - t0  # what the training loop paid
+        return True
 
     def fence(self) -> None:
         """Before anything changes a tensor the last save copied (the optimizer step): make the GPU
@@ -226,8 +247,8 @@ class Saver:
     def _prepare_tmp(self, tmp: Path) -> None:
         """Rank 0, before every rank writes: an empty temporary directory, and no leftovers. A
         crash mid-save leaves a .tmp- directory; a run that fell back from a corrupt checkpoint
-        reaches its step again and replaces it (removed here, before the barrier, so that no rank
-        mistakes the old directory for the new commit)."""
+        reaches its step again and replaces it (removed here, before the ranks agree to save, so
+        that no rank mistakes the old directory for the new commit)."""
         self.dir.mkdir(parents=True, exist_ok=True)
         for stale in [*self.dir.glob(".tmp-step_*"), *self.dir.glob(".del-step_*")]:  # this process holds
             shutil.rmtree(stale)  # the lock on --out: nobody else writes
@@ -242,28 +263,28 @@ class Saver:
             raise CheckpointError(f"could not write the checkpoint of step {step} in {self.dir}: "
                                   f"{e.strerror or e}") from e
 
-    def _to_host(self, entries: dict[str, tuple]) -> dict[str, tuple]:
+    def _to_host(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Copy this rank's tensors into host buffers that are allocated once and reused. On a GPU
         the copies are only issued, on a side stream, and `self.copied` records when they finish."""
         on_gpu = self.grid.device.type == "cuda"
         host = {}
-        for key, (t, info) in entries.items():
+        for key, t in tensors.items():
             buf = self.host.get(key)
             if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
                 buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=on_gpu)  # pinned: truly asynchronous
-            host[key] = (buf, info)
-        self.host = {key: buf for key, (buf, _) in host.items()}
+            host[key] = buf
+        self.host = host
         if not on_gpu:
-            for key, (t, _) in entries.items():
-                host[key][0].copy_(t)
+            for key, t in tensors.items():
+                host[key].copy_(t)
             self.copied = None
             return host
         if self.stream is None:
             self.stream = torch.cuda.Stream(self.grid.device)
         self.stream.wait_stream(torch.cuda.current_stream())  # the weights as of now, after the last update
         with torch.cuda.stream(self.stream):
-            for key, (t, _) in entries.items():
-                host[key][0].copy_(t, non_blocking=True)
+            for key, t in tensors.items():
+                host[key].copy_(t, non_blocking=True)
             self.copied = torch.cuda.Event()
             self.copied.record(self.stream)
         return host
@@ -274,16 +295,17 @@ class Saver:
         except BaseException as e:  # surfaced by the next wait()
             self.error = e
 
-    def _write(self, step, tmp, host, copied, rank_state, meta, crash_mid_save, record, t0) -> None:
+    def _write(self, step, tmp, entries, host, copied, rank_state, meta, crash_mid_save, record, t0) -> None:
         if copied is not None:
             copied.synchronize()  # releases the GIL while the GPU finishes the copy
         g = self.grid
+        rank_state["extra"]["opt_step"] = int(host[OPT_STEPS])  # a host copy by now: no wait for a device
         fname = f"rank{g.rank:05d}.safetensors"
-        tensors = {key: buf for key, (buf, _) in host.items()}
+        tensors = {key: host[key] for key in entries}
         written = storage.write_safetensors(tmp / fname, tensors, {"nanoscale_state": json.dumps(rank_state)})
         info = {"files": {fname: written},
                 "tensors": [{**d, "key": k, "file": fname, "full_shape": full_shape(d),
-                             "dtype": str(buf.dtype).removeprefix("torch.")} for k, (buf, d) in host.items()]}
+                             "dtype": str(tensors[k].dtype).removeprefix("torch.")} for k, (_, d) in entries.items()]}
         if crash_mid_save:  # fault injection: die between the data file and its description
             os.kill(os.getpid(), signal.SIGKILL)
         # rank 0 polls for this file, so it appears whole or not at all

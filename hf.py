@@ -21,7 +21,7 @@ model.py uses the names of Hugging Face's GPT2LMHeadModel (`transformer.h.0.attn
 * Old files. Some name tensors without the "transformer." prefix, and some store the attention's
   causal mask (`attn.bias`, `attn.masked_bias`), a buffer rather than a weight, which is skipped.
 
-Import (`hf_config`, `read_hf_weights`, `load_hf`) renames and transposes every tensor into our
+Import (`hf_config`, `read_hf_weights`, `initial_values`, `load_hf`) renames and transposes every tensor into our
 layout, then each rank copies only its own slice (`shard.take_shard`), so a model built for
 tensor parallelism starts from the same weights as one on a single device. Export (`export_hf`)
 takes the full fp32 tensors that `checkpoint.consolidate` rebuilds from a checkpoint of any layout, undoes
@@ -72,21 +72,32 @@ def read_hf_weights(directory: Path) -> dict[str, torch.Tensor]:
     return ours
 
 
-def load_hf(model: torch.nn.Module, directory: Path) -> None:
-    """Copy Hugging Face GPT-2 weights into this rank's (possibly sharded) model."""
+def initial_values(model: torch.nn.Module, directory: Path):
+    """p -> this rank's (possibly tensor-parallel) slice of the Hugging Face weight for parameter p, fp32
+    on the CPU, taken when asked. Every tensor the model needs is checked to be there first."""
     weights = read_hf_weights(directory)
-    for name, p in model.named_parameters():
-        name = canonical_name(name)
-        if name not in weights:
-            raise CheckpointError(f"{directory}: no tensor for {name}")
+    names = {id(p): canonical_name(n) for n, p in model.named_parameters()}
+    if missing := next((n for n in names.values() if n not in weights), None):
+        raise CheckpointError(f"{directory}: no tensor for {missing}")
+
+    def value(p: torch.nn.Parameter) -> torch.Tensor:
+        name = names[id(p)]
         w = weights[name].float()
         if name == "transformer.wte.weight":  # pad the vocabulary to the model's multiple of 128
             w = torch.cat([w, w.new_zeros(model.config.padded_vocab - w.shape[0], w.shape[1])])
         part = take_shard(w, getattr(p, "shard", None))  # this rank's slice under tensor parallelism
         if part.shape != p.shape:
             raise CheckpointError(f"{directory}: {name} has shape {tuple(w.shape)}, which does not fit this model")
-        with torch.no_grad():
-            p.copy_(part)
+        return part
+    return value
+
+
+def load_hf(model: torch.nn.Module, directory: Path) -> None:
+    """Copy Hugging Face GPT-2 weights into this rank's (possibly sharded) model."""
+    value = initial_values(model, directory)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(value(p))
 
 
 def export_hf(weights: dict[str, torch.Tensor], manifest: dict, out_dir: Path) -> None:

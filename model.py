@@ -14,8 +14,9 @@ Three things here exist for the rest of the codebase:
 1. Layout-independent initialization. `init_value(name, shape, seed)` draws a parameter's
    *full* initial value from a generator seeded by (seed, name) alone. `materialize` builds
    each parameter of a model that was constructed on the `meta` device (no memory), and takes
-   an optional `shard_fn` that cuts out the slice a rank keeps. So every parallel layout,
-   which only changes the slices, starts from exactly the same weights.
+   an optional `shard_fn` that cuts out the slice a rank keeps (or gives each parameter only its
+   shape, for ZeRO-3, whose optimizer draws the values and keeps its own part). So every
+   parallel layout, which only changes the slices, starts from exactly the same weights.
 2. Seams for parallelism. The forward is `embed -> blocks -> head -> loss`, blocks are
    run in whatever order `transformer.h` holds them, and attention infers its number of heads
    from the projection's width. The loss and the gathering of logits for sampling are layers
@@ -351,22 +352,31 @@ def full_shapes(cfg: GPTConfig) -> dict[str, torch.Size]:
         return {n: p.shape for n, p in GPT(cfg).named_parameters(remove_duplicate=False)}
 
 
-def materialize(model: GPT, seed: int, device: torch.device | str = "cpu", shard_fn=None) -> GPT:
+def materialize(model: GPT, seed: int, device: torch.device | str = "cpu", shard_fn=None, values: bool = True) -> GPT:
     """Give every parameter of a meta-built model its initial value. `shard_fn(name, full)` returns
-    the part of the full tensor this rank keeps (default: all of it). Peak extra memory is one
-    full parameter."""
+    the part of the full tensor this rank keeps (default: all of it). Peak extra memory is one full
+    parameter. `values=False` gives each parameter only its shape (`placeholder`), for ZeRO-3, which
+    draws the values itself one parameter at a time and keeps only its shard of each (zero.ZeroAdamW)."""
     shapes = full_shapes(model.config)
     done = {}
     for module_name, module in model.named_modules():
         for pname, param in list(module.named_parameters(recurse=False)):
             name = f"{module_name}.{pname}" if module_name else pname
             if id(param) not in done:  # a tied parameter is created once and shared
-                value = init_value(name, shapes[name], seed, model.config.n_layer)
-                value = shard_fn(name, value) if shard_fn else value
-                done[id(param)] = nn.Parameter(value.to(device), requires_grad=param.requires_grad)
+                if values:
+                    value = init_value(name, shapes[name], seed, model.config.n_layer)
+                    value = (shard_fn(name, value) if shard_fn else value).to(device)
+                else:
+                    value = placeholder(param.shape, torch.float32, device)
+                done[id(param)] = nn.Parameter(value, requires_grad=param.requires_grad)
                 done[id(param)].__dict__.update(param.__dict__)  # keep tags such as parallel.py's `shard`
             setattr(module, pname, done[id(param)])
     return model
+
+
+def placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """What a ZeRO-3 parameter holds when it is not in use: its shape, over a single element."""
+    return torch.empty(1, dtype=dtype, device=device).expand(shape)
 
 
 def build(cfg: GPTConfig, seed: int, device: torch.device | str = "cpu") -> GPT:

@@ -4,6 +4,7 @@
                                  ─▶ context parallel: ring or Ulysses attention cores (context.py)
                                  ─▶ pipeline parallel: keep this stage's blocks (keep_stage)
                                  ─▶ materialize: each parameter's slice of its (seed, name) value
+                                    (ZeRO-3: shapes only; zero.ZeroAdamW draws and keeps its shard)
 
 `build_model` is the only way a rank gets a model, so every layout starts from the same weights
 (DESIGN.md, principles 1 and 2). Every tensor that is split records how (`shard`: split dim `dim`
@@ -79,10 +80,12 @@ def keep_stage(model: gpt.GPT, grid: Grid) -> None:
                                           tied_copy=True)
 
 
-def build_model(cfg: gpt.GPTConfig, grid: Grid, seed: int, device: torch.device, seq_len: int) -> torch.nn.Module:
+def build_model(cfg: gpt.GPTConfig, grid: Grid, seed: int, device: torch.device, seq_len: int,
+                values: bool = True) -> torch.nn.Module:
     """This rank's part of the model: the full GPT built on meta (no memory), transformed by tensor,
     context and pipeline parallelism, then each remaining parameter materialized as this rank's slice of
-    its layout-independent initial value."""
+    its layout-independent initial value. `values=False` (ZeRO-3): shapes only, and `initial_values`
+    draws each parameter's slice when the optimizer builds its shard."""
     check_layout(cfg, grid, seq_len)
     with torch.device("meta"):
         model = gpt.GPT(cfg)
@@ -93,7 +96,19 @@ def build_model(cfg: gpt.GPTConfig, grid: Grid, seed: int, device: torch.device,
     if grid.pp > 1:
         keep_stage(model, grid)
     specs = {name: getattr(p, "shard", None) for name, p in model.named_parameters(remove_duplicate=False)}
-    return gpt.materialize(model, seed, device, shard_fn=lambda name, full: take_shard(full, specs[name]))
+    return gpt.materialize(model, seed, device, shard_fn=lambda name, full: take_shard(full, specs[name]),
+                           values=values)
+
+
+def initial_values(model: torch.nn.Module, seed: int):
+    """p -> this rank's slice of parameter p's initial value (fp32, on the CPU): what build_model gives
+    p, drawn only when asked."""
+    names, shapes = {id(p): n for n, p in model.named_parameters()}, gpt.full_shapes(model.config)
+
+    def value(p: torch.nn.Parameter) -> torch.Tensor:
+        name = names[id(p)]
+        return take_shard(gpt.init_value(name, shapes[name], seed, model.config.n_layer), getattr(p, "shard", None))
+    return value
 
 
 def take_shard(full: torch.Tensor, spec: dict | None) -> torch.Tensor:

@@ -21,7 +21,9 @@ import torch
 @dataclass(frozen=True)
 class Precision:
     """--precision, decided once: the dtype autocast computes matmuls in (None: plain fp32), the dtype
-    ZeRO-1 keeps the parameters in (its fp32 master copy is separate), and whether the loss is scaled."""
+    ZeRO keeps the parameters in (the compute dtype: its fp32 master copy, separate, takes the updates),
+    and whether the loss is scaled. Without ZeRO the parameters are fp32 and take the updates themselves:
+    in 16 bits a small update would round away."""
     name: str
     compute: torch.dtype | None
     params: torch.dtype
@@ -40,7 +42,7 @@ class Precision:
 
 PRECISIONS = {"fp32": Precision("fp32", None, torch.float32, False),
               "bf16": Precision("bf16", torch.bfloat16, torch.bfloat16, False),
-              "fp16": Precision("fp16", torch.float16, torch.float32, True)}  # fp16 parameters would underflow
+              "fp16": Precision("fp16", torch.float16, torch.float16, True)}
 
 
 def lr_at(step: int, cfg) -> float:
@@ -96,17 +98,22 @@ def clip_(grads: list[torch.Tensor], total_norm: torch.Tensor, max_norm: float) 
 
 class SpikeGuard:
     """Flags a loss that is both Z standard deviations and 20% above the recent mean. The second
-    condition keeps a flat, low-noise curve (tiny std) from flagging ordinary wiggles."""
+    condition keeps a flat, low-noise curve (tiny std) from flagging ordinary wiggles. The history is
+    on the host; the comparison runs where the loss is, so deciding costs the GPU no wait."""
 
     def __init__(self, z: float, window: int):
         self.z, self.window, self.history = z, window, []
 
-    def is_spike(self, loss: float) -> bool:
+    def threshold(self) -> float:
+        """The loss above which a loss is a spike (inf until the window has filled)."""
         if self.z <= 0 or len(self.history) < self.window:
-            return False
+            return math.inf
         mean = sum(self.history) / len(self.history)
         std = math.sqrt(sum((x - mean) ** 2 for x in self.history) / len(self.history))
-        return loss > mean + self.z * std and loss > 1.2 * mean
+        return max(mean + self.z * std, 1.2 * mean)
+
+    def is_spike(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss.double() > self.threshold()  # compared in float64, as Python compares the loss's value
 
     def record(self, loss: float) -> None:
         self.history = (self.history + [loss])[-self.window:]

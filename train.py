@@ -69,13 +69,15 @@ import zero
 # ----------------------------------------------------------------------------- optimization
 
 
-def make_optimizer(model: torch.nn.Module, cfg: config.TrainConfig, sync=None):
+def make_optimizer(model: torch.nn.Module, cfg: config.TrainConfig, sync=None, initial=None):
     """AdamW (Loshchilov & Hutter); decay only tensors of 2+ dims: matmul weights and embeddings,
     not biases or LayerNorm gains (decaying a gain toward 0 fights the normalization). With
-    --zero the same update runs on this rank's shard only (zero.ZeroAdamW)."""
+    --zero the same update runs on this rank's shard only (zero.ZeroAdamW; under ZeRO-3 it builds
+    the shards from `initial`). Both skip an update on the device when `found_inf` is set to 1 (the
+    attribute torch's fused optimizers read, as GradScaler sets it)."""
     if cfg.zero:
         return zero.ZeroAdamW(sync, cfg.lr, (0.9, 0.95), 1e-8, cfg.weight_decay,
-                              stability.PRECISIONS[cfg.precision].params)
+                              stability.PRECISIONS[cfg.precision].params, initial)
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
@@ -182,18 +184,7 @@ def setup(cfg: config.TrainConfig) -> Run:
     if len(val) < cfg.eval_batches:
         grid.log(f"evaluation: {len(val)} batch{'es' if len(val) > 1 else ''} of {cfg.batch_size} sequences, all "
                  f"the validation split holds (--eval-batches {cfg.eval_batches} asked for more)")
-    model = shard.build_model(model_cfg, grid, cfg.seed, device, cfg.seq_len)
-    if cfg.init_from:  # before the optimizer, so ZeRO's master weights start from these values
-        hf.load_hf(model, Path(cfg.init_from))
-    if cfg.compile:
-        compile_model(model, grid)
-    sync = None
-    if grid.dp_cp > 1 or cfg.zero:
-        sync = gradients.GradSync(model, grid, cfg.bucket_mb, overlap=not cfg.no_overlap, zero=cfg.zero,
-                                  units=zero.units(model) if cfg.zero == 3 else None)
-    opt = make_optimizer(model, cfg, sync)
-    # ZeRO-3's weights, gathered around each use: after the optimizer has sharded them
-    gather = zero.ParamGather(model, sync, grid, compiled=cfg.compile) if cfg.zero == 3 else None
+    model, sync, opt, gather = build_model_and_optimizer(cfg, grid, model_cfg, device)
     stages = pipeline.Pipeline(model, grid, cfg.pp_schedule, grad_sync=sync) if grid.pp > 1 else None
     if stages and (warning := formulas.pipeline_warning(grid.pp, per_rank // cfg.micro_batch_size, grid.vp)):
         grid.log(warning)
@@ -217,6 +208,32 @@ def setup(cfg: config.TrainConfig) -> Run:
     data_sha256 = ", ".join(f"{s} {data.shard_sha256(prepared / f'{s}.bin')[:16]}" for s in ("train", "val"))
     return Run(cfg, device, precision, grid, tok, model_cfg, model, opt, scaler, loader, val, guard, saver, run_id,
                data_sha256, lock=lock, sync=sync, pipe=stages, gather=gather, layer_stats=layer_stats)
+
+
+def build_model_and_optimizer(cfg: config.TrainConfig, grid: parallel.Grid, model_cfg: gpt.GPTConfig,
+                              device: torch.device) -> tuple:
+    """This rank's model, its data-parallel gradient sync, its optimizer and, under ZeRO-3, the gathering
+    of its weights. ZeRO-3's parameters are built as shapes only: the optimizer draws each one's starting
+    value (from (seed, name), or --init-from) and keeps this rank's shard of it, one parameter at a time,
+    so no rank ever holds the whole model, not even while it starts (DESIGN.md, principle 2)."""
+    zero3 = cfg.zero == 3
+    model = shard.build_model(model_cfg, grid, cfg.seed, device, cfg.seq_len, values=not zero3)
+    initial = None
+    if zero3:
+        initial = hf.initial_values(model, Path(cfg.init_from)) if cfg.init_from else \
+            shard.initial_values(model, cfg.seed)
+    elif cfg.init_from:  # before the optimizer, so ZeRO's master weights start from these values
+        hf.load_hf(model, Path(cfg.init_from))
+    if cfg.compile:
+        compile_model(model, grid)
+    sync = None
+    if grid.dp_cp > 1 or cfg.zero:
+        sync = gradients.GradSync(model, grid, cfg.bucket_mb, overlap=not cfg.no_overlap, zero=cfg.zero,
+                                  units=zero.units(model) if zero3 else None)
+    opt = make_optimizer(model, cfg, sync, initial)
+    # ZeRO-3's weights, gathered around each use: after the optimizer has sharded them
+    gather = zero.ParamGather(model, sync, grid, compiled=cfg.compile) if zero3 else None
+    return model, sync, opt, gather
 
 
 def claim_out(cfg: config.TrainConfig, grid: parallel.Grid) -> tuple[rundir.Lock | None, str]:
@@ -249,7 +266,9 @@ def next_batch(run: Run) -> tuple[int, torch.Tensor]:
             break
     if number == run.cfg.poison_step:  # fault injection for the guard's test: one rare token, repeated
         batch = torch.full_like(batch, run.tok.vocab_size - 2)
-    return number, batch.to(run.device)
+    if run.device.type == "cuda":  # from pinned memory the copy is queued; from pageable memory the host
+        batch = batch.pin_memory()  # would wait for the GPU to finish everything before it
+    return number, batch.to(run.device, non_blocking=True)
 
 
 def forward_backward(run: Run, batch: torch.Tensor) -> torch.Tensor:
@@ -286,7 +305,9 @@ def accumulate(run: Run, micro: list[torch.Tensor], scale: float = 1.0) -> torch
 
 def train_step(run: Run) -> dict:
     """One optimizer step. The update is dropped when the loss or gradients are not finite
-    (`skipped`) or the loss is a spike (`spike`: the caller rolls back)."""
+    (`skipped`) or the loss is a spike (`spike`: the caller rolls back). That is decided on the device,
+    and the optimizer skips there (its `found_inf`): the host reads the step's numbers once, after the
+    update is queued, so a GPU never idles mid-step waiting for the host to decide."""
     cfg, lr = run.cfg, stability.lr_at(run.step, run.cfg)
     run.grid.traffic.reset()  # count this step's bytes only
     recorder = run.grid.traffic.time
@@ -303,17 +324,21 @@ def train_step(run: Run) -> dict:
     run.scaler.unscale_(grads)
     norm = gradients.grad_norm(run.model, run.grid, run.sync)
     run.layer_stats.after_grads()  # per layer, before clipping
-    finite_loss, finite = bool(torch.isfinite(loss)), bool(torch.isfinite(norm))
-    spike = finite_loss and run.guard.is_spike(loss.item())
-    if finite_loss and finite and not spike:
-        stability.clip_(grads, norm, cfg.clip)
-        for group in run.opt.param_groups:
-            group["lr"] = lr
-        run.saver.fence()  # the weights change now: a checkpoint copy still in flight must finish first
-        with run.grid.span("O"):
-            run.opt.step()
-        run.guard.record(loss.item())
-    run.layer_stats.finish(updated=finite_loss and finite and not spike)
+    finite_loss, finite = torch.isfinite(loss), torch.isfinite(norm)
+    spike = finite_loss & run.guard.is_spike(loss)
+    stability.clip_(grads, norm, cfg.clip)  # whatever the outcome: a skipped step's gradients are dropped
+    for group in run.opt.param_groups:
+        group["lr"] = lr
+    run.saver.fence()  # the weights change now: a checkpoint copy still in flight must finish first
+    run.opt.found_inf = (~(finite_loss & finite & ~spike)).float()  # 1: the optimizer leaves everything as is
+    with run.grid.span("O"):
+        run.opt.step()
+    # the step's one read of the device, once the update is queued
+    loss, norm, finite_loss, finite, spike = torch.stack([loss, norm, finite_loss, finite, spike]).tolist()
+    updated = finite_loss and finite and not spike
+    if updated:
+        run.guard.record(loss)
+    run.layer_stats.finish(updated=updated)
     if not spike:
         run.scaler.update(overflow=not finite)
     if run.memory is not None and "state" not in run.memory:  # reduced gradients, optimizer state created
@@ -324,8 +349,8 @@ def train_step(run: Run) -> dict:
         run.opt.zero_grad(set_to_none=True)
     # fp16 overflow is routine (the scaler backs off); anywhere else a non-finite step is bad
     bad = not finite_loss or (not finite and not run.scaler.enabled)
-    return {"step": run.step + 1, "loss": loss.item(), "lr": lr, "grad_norm": norm.item(),
-            "skipped": not (finite_loss and finite), "bad": bad, "spike": spike, "batch": batch_number}
+    return {"step": run.step + 1, "loss": loss, "lr": lr, "grad_norm": norm,
+            "skipped": not (finite_loss and finite), "bad": bad, "spike": bool(spike), "batch": batch_number}
 
 
 @torch.no_grad()
@@ -353,15 +378,19 @@ def sample(run: Run, n_tokens: int) -> str:
     return run.tok.decode(out[0, 1:].tolist())
 
 
-def save(run: Run) -> None:
-    """A checkpoint of this step; first, on every rank, make sure no other process writes in --out."""
+def save(run: Run, skippable: bool = False) -> bool:
+    """Checkpoint this step; False when it was skipped (`skippable`: a periodic --async-ckpt save that
+    found the previous one still being written; checkpoint.Saver). First, on every rank, make sure no
+    other process writes in --out."""
     problem = run.lock.problem(run.run_id) if run.lock else ""
     rank0_agrees(run.grid, problem and f"another process is writing in --out: {problem}; this run stops without "
                  "saving, so as not to mix two runs' files", "rank 0 found another writer in --out (it says which)")
-    run.saved_step = run.step
     state = run.state_dict()
-    run.saver.save(state.pop("step"), model=run.model, opt=run.opt, extra=state, meta=checkpoint_meta(run),
-                   crash_mid_save=crash_due(run, f"save:{run.step}"))
+    saved = run.saver.save(state.pop("step"), model=run.model, opt=run.opt, extra=state, meta=checkpoint_meta(run),
+                           crash_mid_save=crash_due(run, f"save:{run.step}"), skippable=skippable)
+    if saved:
+        run.saved_step = run.step
+    return saved
 
 
 def crash_due(run: Run, event: str) -> bool:
@@ -549,8 +578,13 @@ def after_step(run: Run, row: dict, bar, metrics: rundir.Metrics) -> None:
     bar.update(1)
     bar.set_postfix(loss=f"{row['loss']:.3f}", lr=f"{row['lr']:.1e}", tok_s=f"{row['tokens_per_sec']:.0f}",
                     mfu=f"{row['mfu']:.1%}", **({"mem": f"{row['peak_mem_gb']:.1f}G"} if "peak_mem_gb" in row else {}))
-    if (cfg.ckpt_every and run.step % cfg.ckpt_every == 0) or run.step == cfg.max_steps:
+    if run.step == cfg.max_steps:  # the last one is always written
         save(run)
+    elif cfg.ckpt_every and run.step % cfg.ckpt_every == 0 and not save(run, skippable=True):
+        metrics.log(event="checkpoint skipped", step=run.step, writing=run.saver.writing)
+        if run.grid.is_logger:
+            bar.write(f"step {run.step}: checkpoint skipped: the one of step {run.saver.writing} is still being "
+                      "written (a disk this slow needs a larger --ckpt-every)")
     if crash_due(run, f"step:{run.step}"):
         run.saver.wait()
         os.kill(os.getpid(), signal.SIGKILL)

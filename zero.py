@@ -44,6 +44,7 @@ import time
 import torch
 
 from gradients import Bucket, GradSync
+from model import placeholder
 from parallel import Grid, peer_call
 
 EVENTS_KEPT = 4096  # ParamGather's timeline: about 4 events per unit and use, so the first steps
@@ -58,50 +59,66 @@ class ZeroAdamW:
         stage 3: keep only the shard; ParamGather gathers it when a unit runs
 
     The parameters live in flat per-bucket buffers so the gather writes straight into them; they may
-    be bf16 while the master shard stays fp32. The update is AdamW exactly as torch.optim.AdamW
-    computes it.
+    be 16-bit while the master shard stays fp32. The update is torch's fused AdamW kernel, the one
+    torch.optim.AdamW(fused=True) runs, on this rank's piece of each parameter; like torch's, it leaves
+    everything as it was where `found_inf` is 1, deciding on the device.
+
+    Stage 3 never holds a bucket whole, not even to start: `initial(p)` gives p's starting value (this
+    rank's tensor-parallel slice, fp32) one parameter at a time, and only its part of this rank's
+    shard is kept (the parameters themselves are placeholders: shard.build_model(values=False)).
+    Without `initial`, the parameters' own values are the start.
     """
 
     def __init__(self, sync: GradSync, lr: float, betas=(0.9, 0.95), eps: float = 1e-8,
-                 weight_decay: float = 0.0, param_dtype: torch.dtype = torch.float32):
+                 weight_decay: float = 0.0, param_dtype: torch.dtype = torch.float32, initial=None):
         self.sync, self.grid, self.stage = sync, sync.grid, sync.zero
-        self.betas, self.eps, self.t = betas, eps, 0
+        self.betas, self.eps = betas, eps
         self.param_groups = [{"lr": lr}]
+        self.steps = torch.zeros((), device=self.grid.device)  # updates made (fp32, as torch's fused AdamW keeps it)
+        self.found_inf: torch.Tensor | None = None  # set before step(): 1 skips the update
         self.shards = []
         for b in sync.buckets:
-            master = torch.zeros(b.padded, device=b.device)  # fp32, all of it for now
-            decay = torch.zeros_like(master)
-            for (p, view), off in zip(b.views(master), b.offsets):
-                view.copy_(p.detach())
-                decay[off:off + p.numel()] = weight_decay if p.dim() >= 2 else 0.0
             s = slice(*b.shard_range(self.grid.dp_cp_rank))
+            master = shard_of(b, s, initial or (lambda p: p.detach()))  # fp32, this rank's part only
             if self.stage == 3:  # this rank keeps its shard of the weights, nothing more
-                flat = b.param_shard = master[s].to(param_dtype, copy=True)  # not a view: master goes
+                flat = b.param_shard = master.to(param_dtype, copy=True)
                 for p in b.params:
                     p.data = placeholder(p.shape, param_dtype, b.device)
             else:
-                flat = master.to(param_dtype)
+                flat = torch.zeros(b.padded, dtype=param_dtype, device=b.device)
                 for p, view in b.views(flat):
+                    view.copy_(p.detach())
                     p.data = view  # the parameter is now a window onto the bucket's flat buffer
-            self.shards.append({"flat": flat, "slice": s, "master": master[s].clone(),
+            self.shards.append({"flat": flat, "slice": s, "master": master,
                                 "exp_avg": torch.zeros(b.shard_size, device=b.device),
-                                "exp_avg_sq": torch.zeros(b.shard_size, device=b.device),
-                                "decay": decay[s].clone()})
+                                "exp_avg_sq": torch.zeros(b.shard_size, device=b.device)})
+        self.by_decay = self._by_decay(weight_decay)
+
+    def _by_decay(self, weight_decay: float) -> dict[float, tuple[list, list, list, list]]:
+        """The fused kernel's lists: for each weight decay (matrices decay, biases and gains do not; a
+        shard cuts through both kinds), views of this rank's pieces of the master weights, gradients
+        and moments, one per parameter."""
+        groups = {}
+        for b, st in zip(self.sync.buckets, self.shards):
+            lo, hi = st["slice"].start, st["slice"].stop
+            for p, _, a, z in b.parts(lo, hi):
+                lists = groups.setdefault(weight_decay if p.dim() >= 2 else 0.0, ([], [], [], []))
+                for out, t in zip(lists, (st["master"], b.shard_grad, st["exp_avg"], st["exp_avg_sq"])):
+                    out.append(t[a - lo:z - lo])
+        return groups
 
     @torch.no_grad()
     def step(self) -> None:
-        self.t += 1
-        lr, (beta1, beta2) = self.param_groups[0]["lr"], self.betas
-        bias1, bias2 = 1 - beta1**self.t, 1 - beta2**self.t
-        for b, st in zip(self.sync.buckets, self.shards):
-            g, w = b.shard_grad, st["master"]
-            w.mul_(1 - lr * st["decay"])
-            st["exp_avg"].lerp_(g, 1 - beta1)
-            st["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
-            denom = (st["exp_avg_sq"].sqrt() / bias2**0.5).add_(self.eps)
-            w.addcdiv_(st["exp_avg"], denom, value=-lr / bias1)
+        (beta1, beta2), lr = self.betas, self.param_groups[0]["lr"]
+        self.steps += 1
+        for decay, (w, g, m, v) in self.by_decay.items():
+            torch._fused_adamw_(w, g, m, v, [], [self.steps] * len(w), lr=lr, beta1=beta1, beta2=beta2,
+                                weight_decay=decay, eps=self.eps, amsgrad=False, maximize=False,
+                                found_inf=self.found_inf)
+        if self.found_inf is not None:  # a skipped update is not counted (the bias correction)
+            self.steps -= self.found_inf
+        for st in self.shards:
             self._publish(st)
-
     def _publish(self, st: dict) -> None:
         """The master shard, in the parameters' dtype, where the forward will find it."""
         if self.stage == 3:
@@ -132,7 +149,7 @@ class ZeroAdamW:
         slice in fp32 (for "master", the checkpoint's weights when it kept no masters), or None for a
         moment the checkpoint lacks (it starts from zero). Under stage 3 the weight shards are then
         rebuilt from the masters: nothing else holds them."""
-        self.t = t
+        self.steps.fill_(t)
         for name, p, kind, (a, z), dst in self.pieces(model):
             src = state(name, p, kind)
             if src is None:
@@ -144,9 +161,13 @@ class ZeroAdamW:
                 self._publish(st)
 
 
-def placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """What a ZeRO-3 parameter holds between uses: its shape, over a single element."""
-    return torch.empty(1, dtype=dtype, device=device).expand(shape)
+def shard_of(b: Bucket, s: slice, value) -> torch.Tensor:
+    """Elements [s] of the bucket's flat fp32 buffer, filled parameter by parameter from value(p) (p's
+    whole local tensor, asked for only if part of it falls in [s]): the rest of the bucket is never held."""
+    out = torch.zeros(s.stop - s.start, device=b.device)
+    for p, off, a, z in b.parts(s.start, s.stop):
+        out[a - s.start:z - s.start] = value(p).flatten()[a - off:z - off]
+    return out
 
 
 def units(model: torch.nn.Module) -> list[list[torch.nn.Parameter]]:

@@ -9,8 +9,9 @@ run's metrics.jsonl it takes the time of every step (tokens / tokens_per_sec: fo
 update) and, from the checkpoint events, the time the training loop spent inside the save. It prints
 the median time of ordinary steps, of the step that saves (its step plus the save's blocking time) and
 of the step right after a save (on a GPU that step's update waits for the save's device-to-host copy),
-each as a ratio to the run without saves. The target for --async-ckpt: < 1.05 on the saving step, 1.00
-elsewhere.
+each as a ratio to the run without saves; then, per run, the seconds the loop spent inside a save against
+that run's own ordinary steps (steady where the machine's load drifts between the runs), and async
+against sync. The target for --async-ckpt: < 1.05 on the saving step, 1.00 elsewhere.
 """
 
 import argparse
@@ -24,8 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run(args, out: Path, extra: list[str]) -> tuple[dict[int, float], dict[int, float]]:
-    """(step -> seconds of its step, step -> seconds the loop spent saving at that step)"""
+def run(args, out: Path, extra: list[str]) -> tuple[dict[int, float], dict[int, float], int]:
+    """(step -> seconds of its step, step -> seconds the loop spent saving at that step, saves skipped)"""
     cmd = [sys.executable, str(ROOT / "train.py"), "--device", args.device, "--preset", args.preset, "--out", str(out),
            "--max-steps", str(args.steps), "--eval-every", str(10 * args.steps), "--sample-tokens", "0",
            "--eval-batches", "1", "--tokenizer", args.tokenizer, *args.train_flags, *extra]
@@ -33,7 +34,7 @@ def run(args, out: Path, extra: list[str]) -> tuple[dict[int, float], dict[int, 
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = {r["step"]: args.tokens_per_step / r["tokens_per_sec"] for r in rows if "event" not in r}
     saves = {r["step"]: r["blocking_s"] for r in rows if r.get("event") == "checkpoint"}
-    return steps, saves
+    return steps, saves, sum(r.get("event") == "checkpoint skipped" for r in rows)
 
 
 def main() -> None:
@@ -62,14 +63,22 @@ def main() -> None:
     print(f"{args.preset} on {args.device}, {args.tokens_per_step:,} tokens a step, a checkpoint every {args.every} "
           f"steps; median seconds, and the ratio to the run without saves ({base:.4f} s a step):")
     print(f"  {'':<10}{'ordinary step':>22}{'the step that saves':>26}{'the step after':>22}")
-    for name, (steps, saves) in results.items():
+    paid = {}
+    for name, (steps, saves, skipped) in results.items():
         saving = [s for s in saves if skip < s < args.steps]
         ordinary = [t for s, t in steps.items() if skip < s < args.steps and s not in saves and s - 1 not in saves]
         cells = [statistics.median(ordinary)]
         if saving:
             cells += [statistics.median(steps[s] + saves[s] for s in saving),
                       statistics.median(steps[s + 1] for s in saving if s + 1 in steps)]
+            paid[name] = statistics.median(saves[s] for s in saving), cells[0], skipped
         print(f"  {name:<10}" + "".join(f"{c:>12.4f} ({c / base:5.2f}x)" + " " * 4 for c in cells))
+    # Each run against its own steps: steady whatever else the machine does between the runs.
+    for name, (seconds, step, skipped) in paid.items():
+        print(f"  {name}: the loop paid {seconds:.4f} s a save, {seconds / step:.2f}x one of that run's ordinary "
+              f"steps" + (f"; {skipped} saves skipped (the previous one still being written)" if skipped else ""))
+    if len(paid) == 2:
+        print(f"  async / sync, seconds the loop paid a save: {paid['async'][0] / paid['sync'][0]:.3f}")
 
 
 if __name__ == "__main__":

@@ -141,3 +141,103 @@ def test_spike_guard_rolls_back_and_skips_the_poisoned_batch(corpus, tmp_path):
     assert off[24]["loss"] > 1.5 * off[23]["loss"]  # the poisoned batch is a spike, and is trained on
     assert [r["loss"] for r in on[:24]] == [r["loss"] for r in off[:24]]  # replayed steps 21-24 exactly
     assert max(r["loss"] for r in on[24:]) < 1.2 * on[23]["loss"]
+
+
+# ----------------------------------------------------------------------------- what a save costs the loop
+
+
+def trained_tiny():
+    """The tiny model after one step of fused AdamW (whose step counts are tensors, one per parameter)."""
+    import model as gpt
+    import train
+    from config import TrainConfig
+
+    m = gpt.build(gpt.config_from_preset("tiny", 257), seed=0)
+    opt = train.make_optimizer(m, TrainConfig())
+    for p in m.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    return m, opt
+
+
+def saver(tmp_path, asynchronous):
+    import parallel
+    return checkpoint.Saver(tmp_path / "ckpt", keep=5, asynchronous=asynchronous, grid=parallel.Grid(), run="r")
+
+
+def test_every_byte_is_hashed_once_on_its_way_to_the_disk(tmp_path, monkeypatch):
+    """A save hashes each byte it writes once, as it writes it, and reads nothing back: the bytes that
+    pass through sha256 are the bytes of the files it leaves, and the manifest's canonical text, which
+    its seal hashes (before: every file twice, read back after its fsync)."""
+    import hashlib
+    from types import SimpleNamespace
+
+    import storage
+
+    hashed, sha256 = [], hashlib.sha256
+
+    class Counting:
+        def __init__(self, data=b""):
+            self.h = sha256(data)
+            hashed.append(len(data))
+
+        def update(self, data):
+            hashed.append(len(data))
+            self.h.update(data)
+
+        def hexdigest(self):
+            return self.h.hexdigest()
+
+    monkeypatch.setattr(storage, "hashlib", SimpleNamespace(sha256=Counting))  # storage.py's hashing only
+    m, opt = trained_tiny()
+    saver(tmp_path, asynchronous=False).save(1, m, opt, extra={}, meta={})
+    monkeypatch.undo()
+    written = sum(f.stat().st_size for f in (tmp_path / "ckpt").rglob("*") if f.is_file())
+    manifest = storage.verify(tmp_path / "ckpt" / "step_00000001")  # what it hashed is what is there
+    seal = len(storage._canonical({k: v for k, v in manifest.items() if k != "sha256"}))  # the manifest's own hash
+    assert sum(hashed) == written + seal, (sum(hashed), written, seal)
+
+
+def test_a_save_reads_nothing_from_the_device_before_the_loop_goes_on(tmp_path):
+    """On a GPU each read of a tensor's value by the host waits for everything queued before it. A save
+    reads none: the optimizer's step count (one tensor per parameter in fused AdamW) travels with the
+    copies and is read by the writer (a stand-in counts the host's reads in the loop's thread)."""
+    from test_train import HostReads
+
+    m, opt = trained_tiny()
+    s = saver(tmp_path, asynchronous=True)
+    with HostReads() as host:
+        s.save(1, m, opt, extra={"step": 1}, meta={})
+    s.wait()
+    assert [host.calls[i] for i in host.reads] == []  # before: int() of every parameter's step count
+    path = tmp_path / "ckpt" / "step_00000001"
+    assert checkpoint.Reader(path, checkpoint.storage.verify(path)).rank_state(0)["extra"]["opt_step"] == 1
+
+
+def test_a_save_that_finds_the_last_one_still_writing_is_skipped_not_waited_for(tmp_path, monkeypatch):
+    """--async-ckpt with a disk slower than the saves: the periodic save that comes while the previous
+    one is still being written is skipped at once (the loop does not wait); the final save waits for it,
+    then writes. (The writer here is held until a timer lets it go, so a save that waited would still
+    return, just later, and write its checkpoint.)"""
+    import threading
+
+    import storage
+
+    release, write = threading.Event(), storage.write_safetensors
+
+    def slow_write(*args, **kwargs):
+        release.wait()
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(storage, "write_safetensors", slow_write)
+    m, opt = trained_tiny()
+    s = saver(tmp_path, asynchronous=True)
+    assert s.save(2, m, opt, extra={}, meta={}, skippable=True)
+    threading.Timer(2.0, release.set).start()
+    assert not s.save(4, m, opt, extra={}, meta={}, skippable=True)  # step 2's write is still held
+    assert not release.is_set() and s.writing == 2
+    assert s.save(6, m, opt, extra={}, meta={})  # the final save: waits for step 2's, then writes
+    s.wait()
+    ckpt = tmp_path / "ckpt"
+    assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_00000002", "step_00000006"]
+    assert (ckpt / "latest").read_text() == "step_00000006"

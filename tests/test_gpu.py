@@ -357,3 +357,74 @@ def test_more_processes_than_gpus_is_one_line(gpu_corpus, tmp_path):
     assert len(errors) == 1 and f"{n} processes on this node but {n - 1} visible GPU" in errors[0], said[-3000:]
     assert errors[0].endswith(f"(all {n} processes stopped)") and result.returncode != 0, said[-3000:]
     assert "invalid device ordinal" not in said and 'train.py", line' not in said and "data:" not in result.stdout
+
+
+# ----------------------------------------------------------------------------- host waits, memory held
+
+
+def check_syncs(device: str, data: str, cache: str, out: str) -> None:
+    """A training step synchronizes the host with the GPU once (its one read, after the update is queued),
+    and an asynchronous checkpoint not at all: counted by CUDA's own sync debug mode (every synchronizing
+    call warns)."""
+    import warnings
+
+    import checkpoint
+    import config
+    import train
+
+    flags = ["--device", device, "--preset", "tiny", "--tokenizer", "byte", "--seq-len", "64", "--batch-size", "8",
+             "--stats-every", "0", "--no-compile", "--spike-z", "4", "--spike-window", "2"]
+    run = train.setup(config.parse_args([*flags, "--data", data, "--cache-dir", cache, "--out", out]))
+    saver = checkpoint.Saver(Path(out) / "ckpt", keep=2, asynchronous=True, grid=run.grid, run=run.run_id)
+    for _ in range(3):  # warm-up: the optimizer's state is created; the spike guard is armed
+        train.train_step(run)
+        run.step += 1
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        train.train_step(run)
+        step = len(seen)
+        saver.save(run.step, run.model, run.opt, extra={"step": run.step}, meta={})
+        torch.cuda.set_sync_debug_mode("default")
+    saver.wait()
+    syncs = [str(w.message)[:120] for w in seen]
+    assert step == 1, f"a step synchronized {step} times: {syncs[:step]}"
+    assert len(seen) == step, f"an asynchronous save synchronized {len(seen) - step} times: {syncs[step:]}"
+
+
+def test_a_step_and_an_async_save_wait_for_the_gpu_once(gpu_corpus, tmp_path):
+    run_python(f"import test_gpu; test_gpu.check_syncs('cuda', {gpu_corpus['data']!r}, {gpu_corpus['cache']!r}, "
+               f"{str(tmp_path / 'run')!r})")
+
+
+def test_fp16_zero3_holds_no_fp16_copy_of_the_weights_on_cuda(gpu_corpus, tmp_path):
+    """GPT-2 under ZeRO-3 in fp16 on one GPU: the weights are gathered in fp16 (2Ψ/N), so autocast makes no
+    copies, and what the allocator holds after the blocks' forward is the saved activations plus the
+    embeddings' unit (gathered for the head), within 10%. fp32 weights would add an fp16 copy of every
+    block's weights, kept by each layer's backward (12 x 14 MB, ~28% of the activations here)."""
+    result = train_on_gpu(gpu_corpus, tmp_path / "run", "--preset", "gpt2", "--seq-len", "256", "--batch-size", "8",
+                          "--max-steps", "2", "--zero", "3", "--precision", "fp16", "--memory-report", "--no-compile")
+    out = result.stdout
+    weights = next(ln for ln in out.splitlines() if ln.strip().startswith("weights "))
+    assert weights.split()[3] == "2Ψ/N" and weights.rstrip().endswith("yes"), weights
+    acts = next(ln for ln in out.splitlines() if "activations saved per layer" in ln)
+    per_layer = int(acts.split("measured ")[1].split(" ")[0].rstrip(",").replace(",", ""))
+    allocator = next(ln for ln in out.splitlines() if "allocator:" in ln)
+    held = int(allocator.split("allocator: ")[1].split(" ")[0].replace(",", ""))
+    root = 2 * (50304 * 768 + 1024 * 768 + 2 * 768)  # wte, wpe and ln_f in fp16
+    assert held <= 1.1 * 12 * per_layer + root, (held, per_layer, root)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_zero3_start_up_on_two_gpus_holds_no_whole_model(gpu_corpus, tmp_path):
+    """GPT-2 under ZeRO-3 over two GPUs: what each GPU holds at once during train.setup (the optimizer's
+    state and the gradient shards apart) is its weight shard, one unit whole, and a MiB for the rest:
+    never the whole model (tests/setup_memory.py; on the CPU, tests/test_parallel.py)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "tests/setup_memory.py",
+           "--preset", "gpt2", "--seq-len", "256", "--batch-size", "8", "--zero", "3", "--no-compile",
+           "--data", gpu_corpus["data"], "--cache-dir", gpu_corpus["cache"], "--out", str(tmp_path / "run")]
+    result = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    for r in (json.loads(ln) for ln in result.stdout.splitlines() if ln.startswith("{")):
+        assert r["peak"] <= r["shard"] + r["unit"] + 2**20, r  # the whole model in fp32: r["model"]

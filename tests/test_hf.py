@@ -48,14 +48,16 @@ def test_export_loads_in_transformers_and_round_trips(corpus, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(theirs(idx).logits, ours(idx)[0][..., :257], rtol=1e-5, atol=1e-5)
 
-    # import the export on two tensor-parallel ranks, take one step at lr 1e-30 (below fp32's resolution
-    # for these weights): they come back exactly
-    run_train(corpus, tmp_path / "back", "--init-from", str(tmp_path / "hf"), "--max-steps", "1", "--lr", "1e-30",
-              "--min-lr", "0", "--tp", "2", nproc=2)
-    back = final_weights(tmp_path / "back")
-    for name, w in weights.items():
-        rows = slice(0, 257) if name == "transformer.wte.weight" else slice(None)
-        assert torch.equal(back[name][rows], w[rows]), name
+    # import the export on two tensor-parallel ranks, and on two ZeRO-3 ranks (which read each parameter
+    # only to keep their shard of it), take one step at lr 1e-30 (below fp32's resolution for these
+    # weights): they come back exactly
+    for layout in (["--tp", "2"], ["--zero", "3"]):
+        back = tmp_path / f"back{layout[0]}"
+        run_train(corpus, back, "--init-from", str(tmp_path / "hf"), "--max-steps", "1", "--lr", "1e-30",
+                  "--min-lr", "0", *layout, nproc=2)
+        for name, w in final_weights(back).items():
+            rows = slice(0, 257) if name == "transformer.wte.weight" else slice(None)
+            assert torch.equal(w[rows], weights[name][rows]), (layout, name)
 
 
 def test_init_from_a_directory_that_is_not_a_model(corpus, tmp_path):

@@ -6,6 +6,7 @@ checkpoint is consolidated, the same final weights. The runs also print the comm
 report, whose measured bytes must equal the papers' formulas on every rank.
 """
 
+import json
 import os
 import re
 import socket
@@ -118,7 +119,8 @@ def memory_lines(out: str, kind: str) -> list[str]:
 @pytest.mark.parametrize("nproc,flags,terms", [
     (2, ["--zero", "2", "--precision", "bf16"], ("2Ψ", "4Ψ/N", "12Ψ/N")),
     (4, ["--zero", "3", "--tp", "2", "--sp", "--comm-report"], ("4Ψ/N", "4Ψ/N", "12Ψ/N")),
-], ids=["zero2-bf16", "zero3-tp2-sp"])
+    (2, ["--zero", "3", "--precision", "fp16"], ("2Ψ/N", "4Ψ/N", "12Ψ/N")),  # weights in the compute dtype
+], ids=["zero2-bf16", "zero3-tp2-sp", "zero3-fp16"])
 def test_memory_report_is_the_zero_formulas_on_every_rank(nproc, flags, terms, corpus, tmp_path):
     """Measured bytes of the buffers that hold weights, gradients and optimizer state equal ZeRO's
     formulas exactly on every rank; the saved activations are within 10% of ours. (Stage 1: the
@@ -317,13 +319,24 @@ def test_zero1_with_bf16_parameters_and_async_sharded_checkpoints(corpus, tmp_pa
     assert all(w.dtype == torch.float32 for w in weights.values())
 
 
-def test_zero3_frees_a_blocks_weights_even_while_autograd_holds_views_of_them():
-    """A matmul saves a view of its weight for the backward, so of the unit's gathered buffer: freeing
-    must return the buffer's memory anyway, or every block's weights would stay whole from its forward
-    to its backward. After the forward, what autograd holds is the activations of a model without ZeRO
-    plus the embeddings' unit (whole until the head's backward), not a byte of any block's weights; the
-    backward gathers them again where autograd's views find them, and its gradients are the dense
-    model's (one process: the math alone)."""
+def forward_holding(m, idx, skip=lambda t: False):
+    """The loss, and the bytes of the distinct storages autograd saved for the backward, less those of
+    the tensors `skip` picks out."""
+    saved = {}
+
+    def pack(t):
+        if not skip(t):
+            saved[t.untyped_storage()._cdata] = t.untyped_storage()  # as it is now; its size, when asked
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = m(idx[:, :-1], idx[:, 1:])[1]
+    return loss, sum(s.nbytes() for s in saved.values())
+
+
+def zero3_and_dense(param_dtype=torch.float32):
+    """A 2-layer model under ZeRO-3 on one process (every unit still gathered and freed), the same model
+    without it, and a batch."""
     import gradients
     import model as gpt
     import zero
@@ -332,25 +345,24 @@ def test_zero3_frees_a_blocks_weights_even_while_autograd_holds_views_of_them():
     model, dense = gpt.build(cfg, seed=0), gpt.build(cfg, seed=0)
     grid = parallel.Grid()
     sync = gradients.GradSync(model, grid, zero=3, units=zero.units(model))
-    zero.ZeroAdamW(sync, 1e-3)
+    zero.ZeroAdamW(sync, 1e-3, param_dtype=param_dtype)
     gather = zero.ParamGather(model, sync, grid)
     idx = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
+    root = sum(p.numel() for p in zero.units(dense)[0]) * 4  # the embeddings' unit, fp32
+    return model, dense, sync, gather, idx, root
 
-    def forward_holding(m, skip):
-        """The loss, and the bytes of the distinct storages autograd saved, less those in `skip`."""
-        saved = {}
 
-        def pack(t):
-            saved[t.untyped_storage()._cdata] = t.untyped_storage()  # as it is now; its size, when asked
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = m(idx[:, :-1], idx[:, 1:])[1]
-        return loss, sum(s.nbytes() for k, s in saved.items() if k not in skip)
-
-    loss, held = forward_holding(model, skip=set())
-    dense_loss, activations = forward_holding(dense, skip={p.untyped_storage()._cdata for p in dense.parameters()})
-    root = sum(p.numel() for p in zero.units(dense)[0]) * 4
+def test_zero3_frees_a_blocks_weights_even_while_autograd_holds_views_of_them():
+    """A matmul saves a view of its weight for the backward, so of the unit's gathered buffer: freeing
+    must return the buffer's memory anyway, or every block's weights would stay whole from its forward
+    to its backward. After the forward, what autograd holds is the activations of a model without ZeRO
+    plus the embeddings' unit (whole until the head's backward), not a byte of any block's weights; the
+    backward gathers them again where autograd's views find them, and its gradients are the dense
+    model's (one process: the math alone)."""
+    model, dense, sync, gather, idx, root = zero3_and_dense()
+    weights = {p.untyped_storage()._cdata for p in dense.parameters()}
+    loss, held = forward_holding(model, idx)
+    dense_loss, activations = forward_holding(dense, idx, skip=lambda t: t.untyped_storage()._cdata in weights)
     assert held <= activations + root, (held, activations, root)  # before the fix: +400 KB, both blocks
     loss.backward()
     sync.finish()
@@ -361,3 +373,47 @@ def test_zero3_frees_a_blocks_weights_even_while_autograd_holds_views_of_them():
             name = next(n for n, q in model.named_parameters() if q is p)
             want = dict(dense.named_parameters())[name].grad.flatten()[a - off:z - off]
             torch.testing.assert_close(b.shard_grad[a:z], want, rtol=1e-6, atol=1e-7)
+
+
+def test_zero3_under_fp16_holds_no_whole_copy_of_the_weights():
+    """fp16 computes its matmuls in fp16. Were ZeRO-3's weights gathered in fp32, autocast would cast each
+    one to a new fp16 tensor, which the layer's backward keeps until that block's backward: not a view of
+    the unit's buffer, so freeing the unit would not free it, and the whole model would be held in fp16
+    across the forward (and --memory-report, which counts the buffers, would leave it out). ZeRO keeps
+    the weights in the compute dtype (stability.Precision.params), as under bf16: after the forward,
+    autograd holds the activations of the model without ZeRO (its weights and their fp16 copies left
+    out) plus the embeddings' unit, and no weight of any block in any dtype."""
+    import formulas
+    import stability
+
+    fp16 = stability.PRECISIONS["fp16"]
+    model, dense, sync, gather, idx, root = zero3_and_dense(fp16.params)
+    weights = {p.untyped_storage()._cdata for p in dense.parameters()}
+    with fp16.autocast(torch.device("cpu")):
+        loss, held = forward_holding(model, idx)
+        _, activations = forward_holding(dense, idx, skip=lambda t: t.untyped_storage()._cdata in weights
+                                         or formulas.weight_copy(t))
+    assert held <= activations + root, (held, activations, root)  # before: +200 KB, both blocks' fp16 copies
+    loss.backward()
+    sync.finish()
+    assert gather.all_free() and all(torch.isfinite(b.shard_grad).all() for b in sync.buckets)
+
+
+@pytest.mark.parametrize("nproc,flags", [(2, []), (4, []), (4, ["--tp", "2"])], ids=["dp2", "dp4", "tp2xdp2"])
+def test_zero3_never_holds_the_whole_model_not_even_at_start_up(nproc, flags, corpus, tmp_path):
+    """The peak of what a rank allocates during train.setup at --zero 3, measured by the profiler's
+    record of every allocation and free, leaving apart the optimizer's state and the gradient shards
+    (sharded by construction: 16 bytes per parameter / N, held from set-up on): at most its weight shard
+    (the model's bytes / N), one unit whole, one full parameter as (seed, name) draws it before the
+    tensor-parallel slice, and 64 KiB for set-up's small tensors. Before: the whole model on every rank."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           str(ROOT / "tests" / "setup_memory.py"), *TINY, "--data", corpus["data"], "--cache-dir", corpus["cache"],
+           "--out", str(tmp_path / "out"), "--zero", "3", "--n-layer", "8", *flags]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [json.loads(ln) for ln in result.stdout.splitlines() if ln.startswith("{")]
+    assert len(ranks) == nproc
+    for r in ranks:
+        bound = r["shard"] + r["unit"] + r["draw"] + 64 * 2**10
+        assert r["peak"] <= bound, f"rank {r['rank']}: {r['peak']:,} bytes at the peak, bound {bound:,}: {r}"

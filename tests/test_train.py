@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import ROOT, metrics, run_train
+from torch.overrides import TorchFunctionMode
 
 import config
 import data
@@ -302,3 +303,98 @@ def test_bf16_casts_each_weight_once_per_step_whatever_the_micro_batches():
         casts[micro] = count.casts
     per_block = 4 * 2  # the weights and biases of the four linear layers
     assert casts == {8: 4 * per_block + 1, 2: 4 * per_block + 1}  # + the tied embedding, as the output layer
+
+
+# ----------------------------------------------------------------------------- what a step costs the host
+
+
+class HostReads(TorchFunctionMode):
+    """A stand-in for the device-to-host syncs of a step: every read of a tensor's value by Python (on a GPU
+    each one waits for the GPU to finish everything queued before it), in order among the step's calls."""
+
+    READS = ("item", "tolist", "__bool__", "__float__", "__int__")
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls.append(getattr(func, "__name__", ""))
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def reads(self) -> list[int]:
+        return [i for i, name in enumerate(self.calls) if name in self.READS]
+
+
+def in_process_run(corpus, out, *flags):
+    """train.setup for one CPU process in this one (the tiny model, the test corpus)."""
+    from conftest import TINY
+    return train.setup(config.parse_args([*TINY, "--data", corpus["data"], "--cache-dir", corpus["cache"],
+                                          "--out", str(out), *flags]))
+
+
+@pytest.mark.parametrize("flags", [[], ["--precision", "fp16"], ["--zero", "1"]], ids=["fp32", "fp16", "zero1"])
+def test_a_step_reads_the_device_once_after_the_update_is_queued(flags, corpus, tmp_path):
+    """Whether to take the step (finite loss and gradients, no spike) is decided on the device, and the
+    optimizer skips on the device when it must not update: the host reads the step's numbers once, after
+    the update has been queued, so the GPU never idles waiting for the host mid-step. (Before: six reads,
+    two of them before the optimizer step.)"""
+    run = in_process_run(corpus, tmp_path, "--spike-z", "4", "--spike-window", "2", *flags)
+    for _ in range(2):  # the spike guard is armed from here on
+        train.train_step(run)
+        run.step += 1
+    with HostReads() as host:
+        row = train.train_step(run)
+    update = host.calls.index("_fused_adamw_")
+    assert len(host.reads) == 1 and host.reads[0] > update, [host.calls[i] for i in host.reads]
+    assert math.isfinite(row["loss"]) and not row["skipped"] and not row["spike"]
+
+
+def test_a_skipped_step_leaves_the_weights_and_the_optimizer_as_they_were(corpus, tmp_path):
+    """A non-finite gradient (fp16 at a loss scale of 2^40 overflows): the optimizer is still called,
+    and skips on the device: weights, moments and its step count unchanged; the scale backs off."""
+    run = in_process_run(corpus, tmp_path, "--precision", "fp16", "--loss-scale", str(2.0**40))
+    before = {n: p.detach().clone() for n, p in run.model.named_parameters()}
+    row = train.train_step(run)
+    assert row["skipped"] and not row["bad"] and run.scaler.scale == 2.0**39
+    assert all(torch.equal(p, before[n]) for n, p in run.model.named_parameters())
+    assert run.opt.state and all(float(s["step"]) == 0 and not s["exp_avg"].any() for s in run.opt.state.values())
+
+
+def test_the_gradient_norm_is_a_few_ops_whatever_the_number_of_parameters():
+    """~600 small kernels a step at GPT-2 when each gradient is squared, summed and added on its own:
+    here the number of (non-view) ops of the norm is counted for 2 and 8 layers, with and without ZeRO."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import gradients
+    import model as gpt
+    import zero
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += not func.is_view
+            return func(*args, **(kwargs or {}))
+
+    counts = {}
+    for n_layer in (2, 8):
+        for stage in (0, 2):
+            m = gpt.build(gpt.config_from_preset("tiny", 257, n_layer=n_layer), seed=0)
+            grid, sync = parallel.Grid(), None
+            for p in m.parameters():
+                p.grad = torch.randn_like(p)
+            if stage:
+                sync = gradients.GradSync(m, grid, zero=stage)
+                zero.ZeroAdamW(sync, 1e-3)
+                for b in sync.buckets:
+                    b.shard_grad.normal_()
+            with Ops() as ops:
+                norm = gradients.grad_norm(m, grid, sync)
+            counts[n_layer, stage] = ops.n
+            want = [p.grad for p in m.parameters()] if not stage else [b.shard_grad for b in sync.buckets]
+            assert norm.item() == pytest.approx(torch.cat([g.flatten() for g in want]).norm().item(), rel=1e-5)
+    assert counts[2, 0] == counts[8, 0] <= 6 and counts[2, 2] == counts[8, 2] <= 6, counts
