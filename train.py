@@ -291,6 +291,7 @@ def train_step(run: Run) -> dict:
     grads = gradients.local_grads(run.model, run.sync)
     run.scaler.unscale_(grads)
     norm = gradients.grad_norm(run.model, run.grid, run.sync)
+    run.grid.wait_for_device()  # the host reads from here on: on NCCL a bounded wait (a dead peer: exit 3)
     run.layer_stats.after_grads()  # per layer, before clipping
     finite_loss, finite = bool(torch.isfinite(loss)), bool(torch.isfinite(norm))
     spike = finite_loss and run.guard.is_spike(loss.item())
@@ -325,6 +326,7 @@ def evaluate(run: Run) -> float:
     with cast_once(run):  # the weights do not change: one cast for all batches
         losses = [run.grid.global_loss(accumulate(run, batch.to(run.device).split(run.cfg.micro_batch_size)))
                   for batch in run.val]
+    run.grid.wait_for_device()
     run.model.train()
     return torch.stack(losses).mean().item()
 
