@@ -142,12 +142,13 @@ def block_attention_backward(q, k, v, out, lse, dout, causal: bool, kernel: bool
         q, k, v, out, dout = (x.to(lse.dtype) for x in (q, k, v, out, dout))
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         for rows, keys in query_chunks(q, k, causal):
-            p = torch.exp(scores(q[:, :, rows], k[:, :, keys], causal, rows.start) - lse[:, :, rows, None])
-            delta = (dout[:, :, rows] * out[:, :, rows]).sum(-1, keepdim=True)  # rowsum(dO * O) = rowsum(P * dP)
-            ds = p * (dout[:, :, rows] @ v[:, :, keys].transpose(-2, -1) - delta) / math.sqrt(q.size(-1))  # dS,
-            dq[:, :, rows] = ds @ k[:, :, keys]  # times the scores' scale
-            dk[:, :, keys] += ds.transpose(-2, -1) @ q[:, :, rows]
-            dv[:, :, keys] += p.transpose(-2, -1) @ dout[:, :, rows]
+            qc, kc, vc, oc, doc = q[:, :, rows], k[:, :, keys], v[:, :, keys], out[:, :, rows], dout[:, :, rows]
+            p = torch.exp(scores(qc, kc, causal, rows.start) - lse[:, :, rows, None])  # (B, H, rows, keys)
+            delta = (doc * oc).sum(-1, keepdim=True)  # rowsum(dO * O) = rowsum(P * dP)
+            ds = p * (doc @ vc.transpose(-2, -1) - delta) / math.sqrt(q.size(-1))  # dS, times the scores' scale
+            dq[:, :, rows] = ds @ kc
+            dk[:, :, keys] += ds.transpose(-2, -1) @ qc
+            dv[:, :, keys] += p.transpose(-2, -1) @ doc
         return dq, dk, dv
 
 

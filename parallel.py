@@ -275,7 +275,7 @@ class Grid:
         for name, group in self.groups.items():
             backend = (group or dist.group.WORLD)._get_backend(self.device)
             error = backend.get_error() if hasattr(backend, "get_error") else None  # torch >= 2.6
-            if error is not None and error.name != "SUCCESS":
+            if error is not None and error.name not in ("SUCCESS", "NO_ERROR"):
                 return f"NCCL reports {error.name} in {self.describe('a collective', name)}"
         return None
 
