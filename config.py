@@ -102,7 +102,8 @@ class TrainConfig:
     max_rollbacks: int = arg(3, "the spike guard gives up (an error) when it rolls back this many times in a row "
                              "without getting past the spike", at_least(1))
 
-    device: str = arg("auto", "cpu or cuda", group="parallelism (launch with torchrun; the data-parallel "
+    device: str = arg("auto", "cpu, cuda or cuda:N (one process only: under torchrun each takes its local "
+                      "rank's GPU)", group="parallelism (launch with torchrun; the data-parallel "
                       "degree is the processes / (tp x cp x pp))", shown="cuda when there is a GPU")
     tp: int = arg(1, "tensor-parallel degree (ranks that split each layer)", at_least(1))
     pp: int = arg(1, "pipeline-parallel degree (stages of layers)", at_least(1))
@@ -247,13 +248,24 @@ def resolve_steps(cfg: TrainConfig, device: torch.device, train_tokens: int, log
 
 
 def pick_device(name: str) -> torch.device:
+    """The device the flag names. `cuda:N` is honoured in one process, and made the current GPU, so that
+    every later question about "the GPU" (bf16, our kernel, memory) is about this one; under torchrun
+    each process takes the GPU of its local rank (parallel.local_gpu), so an index is refused there."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError("--device cuda was asked for but no CUDA device is visible; use --device cpu")
-    if name != "cpu" and not name.startswith("cuda"):
-        raise ConfigError(f"--device {name}: choose auto, cpu or cuda")
-    return torch.device(name)
+    if name != "cpu" and not re.fullmatch(r"cuda(:\d+)?", name):
+        raise ConfigError(f"--device {name}: choose auto, cpu, cuda or cuda:N")
+    device = torch.device(name)
+    if device.index is not None:
+        if "LOCAL_RANK" in os.environ:  # set by torchrun
+            raise ConfigError(f"--device {name}: under torchrun each process takes the GPU of its local rank; "
+                              "pass --device cuda (and choose the GPUs with CUDA_VISIBLE_DEVICES)")
+        if device.index >= (n := torch.cuda.device_count()):
+            raise ConfigError(f"--device {name}: the visible GPUs are cuda:0" + (f" to cuda:{n - 1}" if n > 1 else ""))
+        torch.cuda.set_device(device)
+    return device
 
 
 def check_batch(cfg: TrainConfig, grid: parallel.Grid) -> int:

@@ -49,6 +49,7 @@ moves less when N is large (its all-to-alls shrink as 1/N) but cannot go past th
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -64,11 +65,15 @@ KV, DKV = 1, 2  # message tags: keys/values and their gradients may cross betwee
 # ----------------------------------------------------------------------------- which tokens a rank holds
 
 
+@functools.cache
 def positions(T: int, cp: int, rank: int, device=None) -> torch.Tensor:
-    """The positions of the T/cp tokens that cp rank `rank` holds: chunks rank and 2cp-1-rank of 2cp."""
+    """The positions of the T/cp tokens that cp rank `rank` holds: chunks rank and 2cp-1-rank of 2cp.
+    Made on the device (a tensor from a Python list would be a copy from the host, which waits for the
+    GPU), once per shape: every layer and micro-batch reuses it. Read-only: callers share it."""
     c = T // (2 * cp)
-    early, late = range(rank * c, (rank + 1) * c), range((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)
-    return torch.tensor([*early, *late], device=device)
+    early = torch.arange(rank * c, (rank + 1) * c, device=device)
+    late = torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c, device=device)
+    return torch.cat([early, late])
 
 
 def split_sequence(x: torch.Tensor, grid: Grid, dim: int = 1) -> torch.Tensor:
@@ -101,6 +106,11 @@ class ContextParallelLoss(nn.Module):
 # ----------------------------------------------------------------------------- attention on one block
 
 
+# Off the kernel, a block's scores are made a chunk of query rows at a time (`query_chunks`): memory of
+# one chunk of fp32 scores, however long the sequence, instead of the whole (T/cp)^2 block at once
+SCORE_CHUNK_BYTES = 64 * 2**20
+
+
 def block_attention(q, k, v, causal: bool, kernel: bool):
     """Attention of queries q (B, H, Tq, D) to one block of keys and values (B, H, Tk, D): causal (the
     square lower triangle) or every key visible. Returns the output (fp32) and the natural log-sum-exp
@@ -111,9 +121,14 @@ def block_attention(q, k, v, causal: bool, kernel: bool):
     # fp32 even under autocast, which would run these matmuls in 16 bits: the backward rebuilds P in fp32
     # from this log-sum-exp, and the two must agree
     with torch.autocast(q.device.type, enabled=False):
-        s = scores(q, k, causal)  # (B, H, Tq, Tk), fp32 (fp64 for fp64 inputs)
-        lse = s.logsumexp(-1)
-        return torch.exp(s - lse[..., None]) @ v.to(s.dtype), lse
+        wide = torch.promote_types(q.dtype, torch.float32)  # fp32 (fp64 for fp64 inputs)
+        out = q.new_empty(q.shape, dtype=wide)
+        lse = q.new_empty(q.shape[:-1], dtype=wide)
+        for rows, keys in query_chunks(q, k, causal):
+            s = scores(q[:, :, rows], k[:, :, keys], causal, rows.start)  # (B, H, rows, keys)
+            lse[:, :, rows] = s.logsumexp(-1)
+            out[:, :, rows] = torch.exp(s - lse[:, :, rows, None]) @ v[:, :, keys].to(wide)
+        return out, lse
 
 
 def block_attention_backward(q, k, v, out, lse, dout, causal: bool, kernel: bool):
@@ -124,19 +139,36 @@ def block_attention_backward(q, k, v, out, lse, dout, causal: bool, kernel: bool
                                launch_config(q.size(-1), q.dtype), causal=causal)
         return [g.float() for g in grads]
     with torch.autocast(q.device.type, enabled=False):  # fp32, as the forward, whatever the caller's autocast
-        p = torch.exp(scores(q, k, causal) - lse[..., None])  # (B, H, Tq, Tk)
-        q, k, v, out, dout = (x.to(p.dtype) for x in (q, k, v, out, dout))
-        delta = (dout * out).sum(-1, keepdim=True)  # rowsum(dO * O) = rowsum(P * dP)
-        ds = p * (dout @ v.transpose(-2, -1) - delta) / math.sqrt(q.size(-1))  # dS, times the scores' scale
-        return ds @ k, ds.transpose(-2, -1) @ q, p.transpose(-2, -1) @ dout
+        q, k, v, out, dout = (x.to(lse.dtype) for x in (q, k, v, out, dout))
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for rows, keys in query_chunks(q, k, causal):
+            qc, kc, vc, oc, doc = q[:, :, rows], k[:, :, keys], v[:, :, keys], out[:, :, rows], dout[:, :, rows]
+            p = torch.exp(scores(qc, kc, causal, rows.start) - lse[:, :, rows, None])  # (B, H, rows, keys)
+            delta = (doc * oc).sum(-1, keepdim=True)  # rowsum(dO * O) = rowsum(P * dP)
+            ds = p * (doc @ vc.transpose(-2, -1) - delta) / math.sqrt(q.size(-1))  # dS, times the scores' scale
+            dq[:, :, rows] = ds @ kc
+            dk[:, :, keys] += ds.transpose(-2, -1) @ qc
+            dv[:, :, keys] += p.transpose(-2, -1) @ doc
+        return dq, dk, dv
 
 
-def scores(q, k, causal: bool) -> torch.Tensor:
-    """q k^T / sqrt(d), masked, in fp32 at least."""
+def query_chunks(q, k, causal: bool):
+    """(rows of queries, keys they see) in chunks of rows whose fp32 scores take about SCORE_CHUNK_BYTES.
+    Under the causal mask the rows [a, b) see only keys [0, b)."""
+    B, H, Tq, _ = q.shape
+    n = max(1, SCORE_CHUNK_BYTES // (B * H * k.size(2) * 4))
+    for a in range(0, Tq, n):
+        rows = slice(a, min(a + n, Tq))
+        yield rows, slice(0, rows.stop) if causal else slice(None)
+
+
+def scores(q, k, causal: bool, first_row: int = 0) -> torch.Tensor:
+    """q k^T / sqrt(d), masked, in fp32 at least. Causal: query i (counted from `first_row`) sees keys 0..i."""
     wide = torch.promote_types(q.dtype, torch.float32)
     s = (q.to(wide) @ k.to(wide).transpose(-2, -1)) / math.sqrt(q.size(-1))
     if causal:
-        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(), float("-inf"))
+        visible = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(first_row)
+        s = s.masked_fill(~visible, float("-inf"))
     return s
 
 
@@ -287,9 +319,17 @@ class UlyssesAttention(nn.Module):
             return self.local(qkv)
         cp = self.grid.cp  # shard.check_layout made sure it divides the heads
         whole = AllToAll.apply(qkv, self.grid, 3, 1)  # (B, T, 3, H/cp, D): every rank's tokens, in rank order
-        order = torch.cat([positions(whole.size(1), cp, r, qkv.device) for r in range(cp)])  # their positions
-        y = self.local(whole.index_select(1, order.argsort()))  # (B, H/cp, T, D), causal in true order
+        order, in_order = rank_order(whole.size(1), cp, qkv.device)
+        y = self.local(whole.index_select(1, in_order))  # (B, H/cp, T, D), causal in true order
         return AllToAll.apply(y.index_select(2, order), self.grid, 2, 1)  # (B, H, T/cp, D)
+
+
+@functools.cache
+def rank_order(T: int, cp: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The positions of the T tokens gathered from the cp ranks in rank order, and the permutation that
+    puts them back in true order; once per shape, on the device (see `positions`)."""
+    order = torch.cat([positions(T, cp, r, device) for r in range(cp)])
+    return order, order.argsort()
 
 
 # ----------------------------------------------------------------------------- the transformation

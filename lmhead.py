@@ -36,6 +36,9 @@ class LMHeadCrossEntropy(torch.autograd.Function):
     matmul to rebuild the logits), and memory of one chunk of logits plus a weight-sized dW instead
     of ~12 bytes per logit (16-bit logits, their fp32 copy, the softmax saved for the backward).
 
+    Under fp16 the gradient is lifted by a power of two before the matmuls cast it (`fp16_headroom`):
+    made here, before the loss scale, its small entries would otherwise fall below fp16's range.
+
     `vocab_start` and `all_reduce(t, op)` make it the vocab-parallel loss of Megatron (section 3):
     W holds rows [vocab_start, vocab_start + V_local) of the full table, and per chunk the row max
     (MAX) and then the sum of exponentials and the target's logit (SUM) are reduced over the ranks.
@@ -47,23 +50,34 @@ class LMHeadCrossEntropy(torch.autograd.Function):
         # (the weight once per optimizer step: autocast caches it, see stability.Precision), and the
         # softmax runs in fp32 whatever their dtype.
         mixed = torch.is_autocast_enabled(x.device.type)
+        fp16 = mixed and torch.get_autocast_dtype(x.device.type) == torch.float16
         want_dx, want_dw = ctx.needs_input_grad[:2]
         N, V = x.size(0), weight.size(0)
         dx = torch.empty_like(x) if want_dx else None
         dw = torch.zeros(weight.shape, dtype=_fp32_or_wider(weight.dtype), device=weight.device) if want_dw else None
         losses = torch.empty(N, dtype=_fp32_or_wider(x.dtype), device=x.device)
+        w_max = weight.detach().abs().amax().float() if fp16 else None
         rows = loss_chunk_rows(V)
         for lo in range(0, N, rows):
             xc = x[lo:lo + rows]
             losses[lo:lo + rows], g = _loss_chunk(xc, weight, targets[lo:lo + rows] - vocab_start, all_reduce,
                                                   want_dx or want_dw)
-            # |g| <= 1, safe in fp16; the mean's 1/N and the loss scale are applied in the backward
-            if want_dx and mixed:
+            # |g| <= 1; the mean's 1/N and the loss scale are applied in the backward. In fp16, g is
+            # first lifted by a power of two f, and each product divided by f in fp32 (fp16_headroom)
+            if want_dx and fp16:
+                f = fp16_headroom(g, 2 * w_max)  # a row of |g| sums to at most 2: |g W| <= 2 max|W|
+                dx[lo:lo + rows] = g.mul_(f) @ weight
+                dx[lo:lo + rows] /= f
+                g.div_(f)  # exact: f is a power of two
+            elif want_dx and mixed:
                 dx[lo:lo + rows] = g @ weight
             elif want_dx:
                 torch.mm(g, weight, out=dx[lo:lo + rows])
-            if want_dw and mixed:
-                dw += g.t() @ xc  # a 16-bit product, summed over the chunks in fp32
+            if want_dw and fp16:  # |g^T x| <= the largest column sum of |g| times max |x|
+                f = fp16_headroom(g, torch.linalg.vector_norm(g, 1, dim=0).amax() * xc.detach().abs().amax())
+                dw.addcdiv_(g.mul_(f).t() @ xc, f)  # a 16-bit product, summed over the chunks in fp32
+            elif want_dw and mixed:
+                dw += g.t() @ xc  # a 16-bit product (bf16 has fp32's range), summed over the chunks in fp32
             elif want_dw:
                 dw.addmm_(g.t(), xc)
             del g  # before the next chunk's logits are made: one chunk alive at a time
@@ -78,6 +92,17 @@ class LMHeadCrossEntropy(torch.autograd.Function):
         dx = None if dx is None else dx.mul_(scale.to(dx.dtype))  # used once: scaled in place
         dw = None if dw is None else dw.mul_(scale).to(ctx.w_dtype)
         return dx, dw, None, None, None
+
+
+def fp16_headroom(g: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+    """The power of two f to multiply a chunk's gradient g by before an fp16 matmul casts it, for a
+    product whose entries are at most `bound`. The softmax's gradient has entries of every size down to
+    nothing: fp16 keeps 11 bits only above 6e-5 and flushes what is below 3e-8 (the textbook layer
+    casts it after the loss scale, Micikevicius et al. 2018; here it is made in the forward, before any
+    scale is known). f lifts them as far as the product allows: f * bound <= 2^15, half of fp16's
+    largest, and f |g| <= 2^15 too (|g| <= 1). Never below 1: no worse than no lift. Dividing the
+    product by f, in fp32, is exact. A tensor: the host never waits for the device to learn it."""
+    return torch.exp2(torch.floor(torch.log2(2.0**15 / bound.clamp_min(1.0)))).clamp_min(1.0)
 
 
 def _fp32_or_wider(dtype: torch.dtype) -> torch.dtype:

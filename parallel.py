@@ -17,7 +17,16 @@ group with context parallel").
 
 `Grid` owns this arithmetic, and every layout fact: the degrees, this rank's coordinates, its
 pipeline neighbours, whether the sequence is sharded (`sp`, `cp`), which replica of a tensor counts.
-Nothing else computes ranks. Every collective goes through it too, so it can count the bytes.
+Nothing else computes ranks. Every collective goes through it too, so it can count the bytes; a
+point-to-point message goes over its own group (the pipeline's, the cp ring's), which on NCCL is its
+own communicator and stream, so a ring's messages overlap a pipeline's.
+
+When a peer fails. gloo's calls return when the data has moved, and raise when a peer is gone or
+--timeout passes: `peer_call` makes that one PeerError line (train.py: exit status 3). NCCL's calls
+return as soon as the GPU has the work, so nothing raises; its watchdog thread ends a collective that
+outlived --timeout and aborts its communicator (`connect` tells it not to end the process too), and
+the loop's one wait for the device per step, `Grid.wait_for_device`, is bounded and reads what the
+watchdog found, for the same PeerError.
 
 This file also holds Megatron's tensor (and sequence) parallel layers; shard.py builds a rank's part
 of the model with them. The other parallel questions live beside it:
@@ -25,8 +34,11 @@ pipeline.py (schedules and the executor), gradients.py (data-parallel averaging,
 gradient norm) and formulas.py (what the papers predict, measured against what ran).
 """
 
+import itertools
 import os
 import re
+import time
+import weakref
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -38,6 +50,10 @@ import torch.distributed as dist
 import model as gpt
 import timeline
 from lmhead import lm_head_loss
+
+# How much longer than --timeout the step's sync point waits on NCCL (Grid.wait_for_device): time for the
+# watchdog, which ends a collective at --timeout, to notice it and abort its communicator
+NCCL_GRACE_S = 30.0
 
 all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
@@ -66,6 +82,24 @@ def peer_call(fn, *args, what: str = "a collective", **kwargs):
         line = re.sub(r"^\[[^\]]*:\d+\]\s*", "", line)  # gloo's source location, "[.../pair.cc:537] "
         rank = f"rank {dist.get_rank()}, " if dist.is_initialized() else ""
         raise PeerError(f"{rank}in {what}", line.split(". This is typically caused")[0][:300]) from e
+
+
+def wait_until(ready, timeout_s: float, where: str, failure=lambda: None, poll_s: float = 1e-3) -> None:
+    """Poll ready() until it is true. A PeerError as soon as failure() has something to say (what the backend
+    reports), or once timeout_s has passed without either: a bounded wait where the plain one could hang."""
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        if (problem := failure()) or time.monotonic() > deadline:
+            raise PeerError(where, problem or f"not done after {timeout_s:g} s (--timeout): a peer died or hangs")
+        time.sleep(poll_s)
+    if problem := failure():  # a failed collective can let the device pass it, with garbage in its buffer
+        raise PeerError(where, problem)
+
+
+# Every Grid, by its key: the tensor-parallel operator (tp_collective) takes a grid as a number, since an
+# operator's arguments are tensors and plain values. Weak: a grid nothing else holds goes away.
+GRIDS: "weakref.WeakValueDictionary[int, Grid]" = weakref.WeakValueDictionary()
+_GRID_KEYS = itertools.count()
 
 
 class Traffic:
@@ -106,6 +140,12 @@ class Grid:
     groups: dict = field(default_factory=dict)  # "tp" / "dp" / "pp" / "embed" -> this rank's group
     members: dict = field(default_factory=lambda: defaultdict(tuple))  # the same names -> its global ranks
     traffic: "Traffic" = field(default_factory=lambda: Traffic())
+    timeout_s: float = 300.0  # --timeout: how long a collective may wait for a peer (connect sets it)
+    key: int = field(init=False, repr=False, compare=False)  # names this grid to the tp_collective operator
+
+    def __post_init__(self):
+        self.key = next(_GRID_KEYS)
+        GRIDS[self.key] = self
 
     @property
     def world(self) -> int:
@@ -217,6 +257,28 @@ class Grid:
         if self.world > 1:
             peer_call(dist.barrier, what="a barrier of every rank")
 
+    def wait_for_device(self) -> None:
+        """The step's sync point, bounded. NCCL calls return before the GPU has done them, so a dead or hung
+        peer shows only where the host waits for the device (an `.item()`), and there it would wait until
+        NCCL's watchdog ends the collective after --timeout. Wait here instead, at most --timeout and a
+        grace, watching what NCCL reports (`nccl_failure`), and say it as one PeerError (exit status 3).
+        Nothing to do on gloo (its calls return when done, and raise when a peer fails) or alone."""
+        if self.device.type != "cuda" or self.world == 1:
+            return
+        done = torch.cuda.Event()
+        done.record()  # after everything this step queued, its collectives' waits included
+        wait_until(done.query, self.timeout_s + NCCL_GRACE_S, f"rank {self.rank}, waiting for the GPU to finish "
+                   "the step's collectives", failure=self.nccl_failure)
+
+    def nccl_failure(self) -> str | None:
+        """What NCCL's watchdog found in this rank's groups (a timeout, an error here or on a peer), if anything."""
+        for name, group in self.groups.items():
+            backend = (group or dist.group.WORLD)._get_backend(self.device)
+            error = backend.get_error() if hasattr(backend, "get_error") else None  # torch >= 2.6
+            if error is not None and error.name not in ("SUCCESS", "NO_ERROR"):
+                return f"NCCL reports {error.name} in {self.describe('a collective', name)}"
+        return None
+
     def rank0_first(self, fn):
         """Run fn on rank 0, then on the others (e.g. prepare data once, then read the cache)."""
         result = fn() if self.rank == 0 else None
@@ -288,8 +350,10 @@ class Grid:
         need different tags. With wait=False the transfers run on while the caller computes; it gets
         the list of pending works and must wait on each before touching the tensors."""
         sends = [(t.contiguous(), *rest) for t, *rest in sends]
-        ops = [dist.P2POp(dist.isend, t, peer, tag=tag[0] if tag else 0) for t, peer, *tag in sends]
-        ops += [dist.P2POp(dist.irecv, t, peer, tag=tag[0] if tag else 0) for t, peer, *tag in recvs]
+        pg = self.groups.get(group)  # the group's own communicator (on NCCL, its own stream): rings and
+        ops = [dist.P2POp(dist.isend, t, peer, group=pg, tag=tag[0] if tag else 0)  # pipelines overlap
+               for t, peer, *tag in sends]
+        ops += [dist.P2POp(dist.irecv, t, peer, group=pg, tag=tag[0] if tag else 0) for t, peer, *tag in recvs]
         for t, *_ in sends:
             self.traffic.counts[("send", self.label(group))][0] += 1
             self.traffic.counts[("send", self.label(group))][1] += t.numel() * t.element_size()
@@ -339,7 +403,7 @@ def layout(tp: int, pp: int, device: torch.device, sp: bool = False, cp: int = 1
     if world % (tp * pp * cp):
         raise LayoutError(f"world size {world} is not divisible by tp*cp*pp = {tp}*{cp}*{pp}; launch a "
                           f"multiple of {tp * cp * pp} processes or change --tp/--cp/--pp")
-    if device.type == "cuda":
+    if device.type == "cuda" and device.index is None:  # an index was settled by config.pick_device
         device = local_gpu()
     grid = Grid(tp=tp, pp=pp, cp=cp, dp=world // (tp * pp * cp), rank=rank, sp=sp, cp_attn=cp_attn, vp=vp,
                 device=device)
@@ -351,15 +415,24 @@ def connect(grid: Grid, timeout_s: float = 300) -> None:
     """Join the process group that torchrun describes (none for one process) and build the tp / cp / dp /
     dp_cp / pp groups. Every rank creates every group in the same order, as new_group requires."""
     world, rank, tp, pp, cp = grid.world, grid.rank, grid.tp, grid.pp, grid.cp
+    grid.timeout_s = timeout_s
     if world == 1:
         return
     # A launcher that restarts the job (torchrun --max-restarts) keeps its key-value store; keys
     # from the dead attempt would point new groups at dead peers, so each attempt gets a prefix.
     store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timedelta(seconds=timeout_s)))
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    dist.init_process_group("nccl" if grid.device.type == "cuda" else "gloo", rank=rank, world_size=world,
+    nccl = grid.device.type == "cuda"
+    if nccl:  # read when the process group is made. On a collective that outlives --timeout (or a NCCL error)
+        # the watchdog aborts the communicators, which lets the stuck kernels return; 2 stops there. The
+        # default (torch's 3, torchrun's 1) then ends the process from the watchdog's thread, with its own
+        # log; with 2 the loop's sync point (Grid.wait_for_device) says it in one line, exit status 3.
+        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
+    # device_id: NCCL makes every group's communicator now, all ranks together (new_group splits it), so a
+    # group's first call may be point-to-point between two of its ranks (batch_isend_irecv requires that)
+    dist.init_process_group("nccl" if nccl else "gloo", rank=rank, world_size=world,
                             store=dist.PrefixStore(f"nanoscale/attempt{attempt}", store),
-                            timeout=timedelta(seconds=timeout_s))
+                            timeout=timedelta(seconds=timeout_s), device_id=grid.device if nccl else None)
     ids = torch.arange(world).view(pp, grid.dp, cp, tp)  # ids[pp_rank, dp_rank, cp_rank, tp_rank] = rank
     layouts = {"tp": ids.reshape(-1, tp), "cp": ids.permute(0, 1, 3, 2).reshape(-1, cp),
                "dp": ids.permute(0, 2, 3, 1).reshape(-1, grid.dp),
@@ -431,25 +504,28 @@ def all_reduce_tp(x: torch.Tensor, grid: Grid) -> torch.Tensor:
 
 def gather_seq(x: torch.Tensor, grid: Grid) -> torch.Tensor:
     """(B, T/tp, C) from each rank -> (B, T, C) on every rank."""
-    xs = x.transpose(0, 1).contiguous()  # (T/tp, B, C): collectives concatenate along dim 0
-    out = xs.new_empty((xs.size(0) * grid.tp, *xs.shape[1:]))
-    grid.all_gather(out, xs, "tp")
-    return out.transpose(0, 1)
+    out = seq_major(x, x.size(1) * grid.tp)
+    grid.all_gather(out.transpose(0, 1), x.transpose(0, 1).contiguous(), "tp")  # collectives concatenate dim 0
+    return out
 
 
 def reduce_scatter_seq(x: torch.Tensor, grid: Grid) -> torch.Tensor:
     """(B, T, C) partial sums on each rank -> this rank's (B, T/tp, C) slice of the sum."""
-    xs = x.transpose(0, 1).contiguous()  # (T, B, C)
-    out = xs.new_empty((xs.size(0) // grid.tp, *xs.shape[1:]))
-    grid.reduce_scatter(out, xs, "tp")
-    return out.transpose(0, 1)
+    out = seq_major(x, x.size(1) // grid.tp)
+    grid.reduce_scatter(out.transpose(0, 1), x.transpose(0, 1).contiguous(), "tp")
+    return out
 
 
 def split_seq(x: torch.Tensor, grid: Grid) -> torch.Tensor:
     """(B, T, C), the same on every rank -> this rank's (B, T/tp, C) slice; no communication."""
     if x.size(1) % grid.tp:
         raise LayoutError(f"--sp needs the sequence length ({x.size(1)}) divisible by --tp {grid.tp}")
-    return x.chunk(grid.tp, dim=1)[grid.tp_rank].contiguous()
+    return x.chunk(grid.tp, dim=1)[grid.tp_rank].clone(memory_format=torch.contiguous_format)
+
+
+def seq_major(x: torch.Tensor, T: int) -> torch.Tensor:
+    """A new (B, T, C) laid out as (T, B, C): what the sequence collectives fill, along dim 0."""
+    return x.new_empty((T, x.size(0), *x.shape[2:])).transpose(0, 1)
 
 
 class Conjugate(torch.autograd.Function):
@@ -458,12 +534,11 @@ class Conjugate(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, grid, forward, backward):
         ctx.grid, ctx.backward = grid, backward
-        y = forward(x, grid)
-        return y.view_as(y) if y is x else y  # autograd wants a new tensor, even from the identity
+        return collective(forward, x, grid)
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.backward(grad, ctx.grid), None, None, None
+        return collective(ctx.backward, grad, ctx.grid), None, None, None
 
 
 def copy_to_tp(x, grid):  # Megatron's f: x is replicated; its gradient is a sum over the ranks
@@ -484,6 +559,38 @@ def scatter_to_sp(x, grid):  # sequence-parallel g: reduce-scatter partial sums;
 
 def split_to_sp(x, grid):  # into the sequence-parallel region: keep this rank's slice; all-gather back
     return Conjugate.apply(x, grid, split_seq, gather_seq)
+
+
+# torch.compile and the collectives. Traced, the collectives' Python (Grid's counting and timing, the
+# process group) would cut every block into several graphs. So each runs as one operator, tp_collective
+# (a torch.library custom op, as kernels.py's attention is): the compiler sees a call with known output
+# shapes and keeps the block one graph; the call runs the Python above at run time, every time, so Grid
+# counts and times each collective, compiled or not.
+
+TP_COLLECTIVES = {fn.__name__: fn for fn in (all_reduce_tp, gather_seq, reduce_scatter_seq, split_seq)}
+
+
+def collective(fn, x: torch.Tensor, grid: Grid) -> torch.Tensor:
+    """fn(x, grid), through tp_collective."""
+    if fn is identity:
+        return x.view_as(x)  # autograd wants a new tensor, even from the identity
+    return tp_collective(x, grid.key, fn.__name__)
+
+
+@torch.library.custom_op("nanoscale::tp_collective", mutates_args=())
+def tp_collective(x: torch.Tensor, grid: int, name: str) -> torch.Tensor:
+    """TP_COLLECTIVES[name](x, the grid with this key)."""
+    return TP_COLLECTIVES[name](x, GRIDS[grid])
+
+
+@tp_collective.register_fake
+def _tp_collective_fake(x, grid, name):  # the output each makes: shape and layout, no data
+    tp = GRIDS[grid].tp
+    if name == "all_reduce_tp":
+        return x.new_empty(x.shape)
+    if name == "split_seq":
+        return x.new_empty((x.size(0), x.size(1) // tp, *x.shape[2:]))
+    return seq_major(x, x.size(1) * tp if name == "gather_seq" else x.size(1) // tp)
 
 
 class SplitSeq(torch.nn.Module):

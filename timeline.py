@@ -20,14 +20,26 @@ when the last member launches: from this rank's launch to that moment it waits f
 there to completion it transfers ('='). A transfer drawn under 'B' is hidden behind the backward
 (overlap); one drawn under nothing is exposed, and the step pays for it.
 
-How it is measured. On a CPU (gloo), the host clock (`time.perf_counter`): launch just before the
-call, completion from the collective's future (`Work.get_future().then`), which fires the moment it
-finishes even if nobody waits yet; where there is no future (point-to-point), when the waiting call
-returns. On a GPU the host returns long before the device is done, so the points are CUDA events
-recorded on the compute stream: launch where the collective is issued, completion where the stream
-is allowed past it (after `wait()`); compute spans are events too. Ranks on one machine share its
-monotonic clock (CPU); elsewhere the clocks are lined up by a barrier at the start of the recorded step
-(each rank's time 0 is when it left the barrier).
+How it is measured, and what each clock means:
+
+    CPU (gloo), the host clock (`time.perf_counter`):
+      launch     just before the call
+      completion the collective's future (`Work.get_future().then`) fires when its data has arrived,
+                 even if nobody waits yet; where there is no future (gloo's point-to-point), when the
+                 waiting call returns, so a late wait makes that message look longer
+    GPU (NCCL), CUDA events: the host returns long before the device is done, so points are moments
+    on the device, read after the step (`Clock.settle`):
+      launch     recorded on the compute stream where the collective is issued: the moment the device
+                 has done everything before it, from which NCCL's stream may run it
+      completion recorded through the same future, on a stream NCCL makes wait for the collective's own
+                 end: the communication side, not the moment the compute stream is let past it (after
+                 `wait()`, maybe much later: a bucket launched mid-backward is waited for only at the
+                 end). A synchronous call, and a work without a future, completes where the compute
+                 stream is let past it.
+      spans      compute spans are events on the compute stream too
+
+Ranks on one machine share its monotonic clock (CPU); elsewhere the clocks are lined up by a barrier at
+the start of the recorded step (each rank's time 0 is when it left the barrier).
 
 `Recorder` times every collective of every step (the dashboard charts `seconds()`); `--print-timeline`
 also records the compute spans of one step, gathers every rank's record and draws it (`draw`).
@@ -84,15 +96,17 @@ class TimedWork:
 
     def __init__(self, work, comm: Comm, clock: Clock):
         self.work, self.comm, self.clock = work, comm, clock
-        if not clock.cuda:
-            try:
-                work.get_future().then(self._completed)
-            except RuntimeError:  # gloo's point-to-point works have no future: timed at wait()
-                pass
+        try:
+            work.get_future().then(self._completed)
+        except RuntimeError:  # gloo's point-to-point works have no future: timed at wait()
+            pass
 
-    def _completed(self, _future) -> None:  # runs on the backend's thread, when the data has arrived
+    def _completed(self, _future) -> None:
+        """gloo: runs on the backend's thread when the data has arrived. NCCL: runs at once, with a stream
+        made to wait for the collective's end as the current one, so the event recorded here happens when
+        the communication is done, whatever the compute stream is doing meanwhile."""
         if self.comm.done is None:
-            self.comm.done = time.perf_counter()
+            self.comm.done = self.clock.now()
 
     def wait(self, *args):
         result = self.work.wait(*args)

@@ -333,7 +333,8 @@ def train_step(run: Run) -> dict:
     run.opt.found_inf = (~(finite_loss & finite & ~spike)).float()  # 1: the optimizer leaves everything as is
     with run.grid.span("O"):
         run.opt.step()
-    # the step's one read of the device, once the update is queued
+    # the step's one read of the device, once the update is queued (on NCCL a bounded wait: a dead peer is exit 3)
+    run.grid.wait_for_device()
     loss, norm, finite_loss, finite, spike = torch.stack([loss, norm, finite_loss, finite, spike]).tolist()
     updated = finite_loss and finite and not spike
     if updated:
@@ -361,6 +362,7 @@ def evaluate(run: Run) -> float:
     with cast_once(run):  # the weights do not change: one cast for all batches
         losses = [run.grid.global_loss(accumulate(run, batch.to(run.device).split(run.cfg.micro_batch_size)))
                   for batch in run.val]
+    run.grid.wait_for_device()
     run.model.train()
     return torch.stack(losses).mean().item()
 

@@ -14,11 +14,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import context
 import formulas
 import parallel
+import shard
 from kernels import unpack_qkv
+from model import GPTConfig
 
 B, T, H, D = 2, 64, 4, 16
 
@@ -91,8 +94,39 @@ def attention_peak(grid, seq_len: int) -> int:
 PEAK_T = 512
 
 
+class HostData(TorchDispatchMode):
+    """Counts tensors made from Python data (torch.tensor): on a GPU each is a copy from the host, and a
+    copy from pageable host memory first waits for the device to finish what it was given."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops.aten.lift_fresh.default
+        return func(*args, **(kwargs or {}))
+
+
+def host_data_per_step(grid, steps: int = 3) -> dict[str, list[int]]:
+    """Tensors built from host data in each of a few forward and backward steps of a cp model, per core."""
+    counts = {}
+    for attn in CORES:
+        grid.cp_attn = attn
+        model = shard.build_model(GPTConfig(n_layer=2, n_head=H, n_embd=H * D, block_size=T, vocab_size=256,
+                                            attn="math"), grid, seed=0, device=torch.device("cpu"), seq_len=T)
+        idx = torch.randint(0, 256, (B, T + 1), generator=torch.Generator().manual_seed(0))
+        counts[attn] = []
+        for _ in range(steps):
+            with HostData() as host:
+                _, loss = model(idx[:, :-1], idx[:, 1:])
+                loss.backward()
+            counts[attn].append(host.count)
+    return counts
+
+
 def everything(grid) -> dict:
-    return {"errors": {case: errors(grid, *case) for case in CASES}, "peak": attention_peak(grid, PEAK_T)}
+    return {"errors": {case: errors(grid, *case) for case in CASES}, "peak": attention_peak(grid, PEAK_T),
+            "host_data": host_data_per_step(grid)}
 
 
 @pytest.fixture(scope="module")
@@ -114,11 +148,42 @@ def test_attention_cores_match_whole_sequence_attention(results, cp, case):
 
 def test_ring_attention_memory_per_rank_falls_with_cp(results):
     """At a fixed sequence, each rank's attention memory falls at least as 1/cp: its queries, keys, values
-    and output are T/cp long, and the score blocks it ever holds at most (T/cp)^2 (with the math blocks; the
-    flash kernel holds none). One process, cp = 1, holds the whole T x T scores."""
+    and output are T/cp long, and the score blocks it ever holds at most (T/cp)^2 (with the math blocks,
+    a chunk of rows of one at a time; the flash kernel holds none). One process, cp = 1, holds the whole
+    T x T scores."""
     peaks = {1: attention_peak(parallel.Grid(), PEAK_T)} | {cp: max(r["peak"] for r in results[cp]) for cp in (2, 4)}
     print(f"\nring attention peak bytes per rank at T = {PEAK_T}: {peaks}")
     assert peaks[1] / peaks[2] >= 2 and peaks[2] / peaks[4] >= 2, peaks
+
+
+def test_cp_steps_build_no_tensor_from_host_data_after_the_first(results):
+    """The positions a cp rank holds, and Ulysses' reordering, are made on the device once per shape: no
+    step after the first builds a tensor from Python data (on a GPU each was a host-to-device copy and a
+    wait for the device, per layer and micro-batch: tests/test_gpu.py checks there is no wait at all)."""
+    for cp in (2, 4):
+        for rank, result in enumerate(results[cp]):
+            for attn, counts in result["host_data"].items():
+                assert counts[1:] == [0, 0], f"cp {cp} rank {rank} {attn}: tensors from host data per step {counts}"
+
+
+def ring_peak(seq_len: int) -> int:
+    """Peak bytes of ring attention's forward and backward on the math blocks, one rank holding it all."""
+    qkv = torch.randn(1, seq_len, 3, H, D, generator=torch.Generator().manual_seed(0)).requires_grad_()
+
+    def step():
+        out = context.RingAttentionFn.apply(qkv, parallel.Grid(), False)
+        out.backward(torch.ones_like(out))
+    return formulas.peak_memory(step, torch.device("cpu"))
+
+
+def test_ring_attention_off_the_kernel_grows_linearly_with_the_sequence(monkeypatch):
+    """The math blocks (fp32, --attn sdpa, head dims the kernel lacks) make their scores a chunk of query
+    rows at a time: doubling T doubles the memory, where whole (T/cp)^2 blocks of scores would quadruple
+    it. (A small chunk here, so that T = 512 already needs several.)"""
+    monkeypatch.setattr(context, "SCORE_CHUNK_BYTES", 64 * 2**10, raising=False)
+    peaks = {T: ring_peak(T) for T in (512, 1024)}
+    print(f"\nring attention (math blocks) peak bytes: {peaks}")
+    assert peaks[1024] <= 2.2 * peaks[512], peaks
 
 
 def test_positions_give_every_rank_an_early_and_a_late_chunk():

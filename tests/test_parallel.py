@@ -18,6 +18,7 @@ import pytest
 import torch
 from conftest import ROOT, TINY, assert_same_weights, final_weights, metrics, run_train
 
+import context
 import parallel
 import pipeline
 
@@ -302,6 +303,69 @@ def test_a_dead_rank_stops_the_others_with_a_clear_error(corpus, tmp_path):
     assert any(call in line for call in ("over dp (ranks 0, 1)", "over world (ranks 0, 1)",  # (a step's, or the
                                          "a barrier of every rank")), line  # stop check's all-reduce: interrupt.py)
     assert "Traceback" not in err and "This is typically caused" not in err and ".cc:" not in line
+
+
+def test_the_step_waits_for_nccl_at_most_the_timeout_and_says_what_its_watchdog_found():
+    """On NCCL a dead or hung peer shows only where the host waits for the GPU: the loop waits there at most
+    --timeout (and a grace) and turns what the watchdog reports into one PeerError (train.py: exit status
+    3). The waiting itself, with stand-ins for the device's event and for NCCL's report."""
+    polls = iter([False, False, True])
+    parallel.wait_until(lambda: next(polls), 5.0, "rank 0, waiting")  # done on the third look: no error
+    start = time.monotonic()
+    with pytest.raises(parallel.PeerError, match=r"not done after 0\.2 s \(--timeout\): a peer died or hangs"):
+        parallel.wait_until(lambda: False, 0.2, "rank 0, waiting for the GPU")  # a hang: bounded
+    assert 0.2 <= time.monotonic() - start < 5
+
+    class Backend:  # what ProcessGroupNCCL says after its watchdog aborted a collective that outlived --timeout
+        def get_error(self):
+            return type("ErrorType", (), {"name": "TIMEOUT"})()
+
+    class Group:
+        def _get_backend(self, device):
+            return Backend()
+
+    grid = parallel.Grid(dp=2, rank=1, groups={"dp": Group()}, members={"dp": (0, 1)})
+    start = time.monotonic()
+    with pytest.raises(parallel.PeerError) as e:  # at once, not at the deadline
+        parallel.wait_until(lambda: False, 600, "rank 1, waiting for the GPU", failure=grid.nccl_failure)
+    assert time.monotonic() - start < 5
+    assert str(e.value) == "rank 1, waiting for the GPU: NCCL reports TIMEOUT in a collective over dp (ranks 0, 1)"
+    with pytest.raises(parallel.PeerError, match="NCCL reports TIMEOUT"):  # the aborted collective let the
+        parallel.wait_until(lambda: True, 600, "rank 1", failure=grid.nccl_failure)  # device pass: garbage
+    grid.wait_for_device()  # on a CPU (gloo: its calls raise themselves) there is nothing to wait for
+
+
+def p2p_groups(rank: int, world: int, port: int) -> None:
+    """On a pp 2 x cp 2 grid of gloo ranks: every point-to-point message goes to batch_isend_irecv with the
+    group it belongs to (the cp ring's, the pipeline's), not the world's, and arrives from the right peer."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    grid = parallel.init_grid(tp=1, pp=2, device=torch.device("cpu"), cp=2)
+    assert None not in (grid.groups["cp"], grid.groups["pp"])  # groups of 2 of the 4 ranks, not the world's
+    seen, batch = [], torch.distributed.batch_isend_irecv
+    torch.distributed.batch_isend_irecv = lambda ops: seen.append([op.group for op in ops]) or batch(ops)
+    try:
+        mine, incoming = torch.full((4,), float(rank)), torch.empty(4)
+        context.wait_all(context.ring_pass(grid, [(mine, incoming, context.KV)]))
+        assert incoming.eq(grid.cp_prev).all() and seen.pop() == [grid.groups["cp"]] * 2
+        message = torch.full((3,), float(rank))
+        if grid.first_stage:
+            grid.send_recv([(message, grid.next_stage)], [])
+        else:
+            grid.send_recv([], [(message, grid.prev_stage)])
+            assert message.eq(grid.prev_stage).all()
+        assert seen.pop() == [grid.groups["pp"]]
+    finally:
+        torch.distributed.batch_isend_irecv = batch
+        parallel.shutdown()
+
+
+def test_point_to_point_messages_use_their_own_group():
+    """Pipeline and ring messages go over their group's communicator (on NCCL its own stream, so a ring
+    overlaps the pipeline's sends), not all over the world's. Their equivalence runs are the layouts above."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.start_processes(p2p_groups, args=(4, port), nprocs=4, start_method="spawn")
 
 
 def test_zero1_with_bf16_parameters_and_async_sharded_checkpoints(corpus, tmp_path):

@@ -88,3 +88,39 @@ def test_cuda_events_are_read_only_after_the_device_has_passed_them(monkeypatch)
     assert recorder.seconds() == {"all_gather dp": 0.0}  # launch and completion of a blocking call
     record = recorder.stop()
     assert [name for name, _, _ in record["spans"]] == ["O"] and len(record["comms"]) == 1
+
+
+def test_on_a_gpu_a_collective_completes_on_the_communication_side(monkeypatch):
+    """On a GPU, completion is an event recorded through the collective's future, on a stream NCCL makes
+    wait for the collective's own end: not where the compute stream is let past it (`wait()`), which for a
+    bucket launched mid-backward is the end of the backward. Stand-ins for torch.cuda's events and for the
+    work: each event notes the stream that was current when it was recorded."""
+    stream = ["compute"]
+
+    class Event:
+        def __init__(self, enable_timing: bool):
+            self.stream = None
+
+        def record(self):
+            self.stream = stream[0]
+
+    class Future:
+        def then(self, callback):  # NCCL's future: done at once, its callback on a stream after the collective
+            stream[0] = "after the collective"
+            callback(self)
+            stream[0] = "compute"
+
+    class Work:
+        def get_future(self):
+            return Future()
+
+        def wait(self):
+            return True
+
+    monkeypatch.setattr(timeline.torch.cuda, "Event", Event)
+    recorder = timeline.Recorder(timeline.torch.device("cpu"))
+    recorder.clock.cuda = True
+    comm = recorder.launch("all_reduce", "dp", (0, 1), 64)
+    work = recorder.track(comm, Work())
+    work.wait()  # the end of the backward, long after
+    assert comm.launch.stream == "compute" and comm.done.stream == "after the collective"

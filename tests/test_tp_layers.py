@@ -142,3 +142,35 @@ def test_layouts_that_cannot_split_are_refused():
         shard.check_layout(cfg, parallel.Grid(tp=2), seq_len=64)
     with pytest.raises(parallel.LayoutError, match="needs --tp 2 or more"):
         shard.check_layout(cfg, parallel.Grid(tp=1, sp=True), seq_len=64)
+
+
+def check_compiled_blocks(grid, sp):
+    """Each tensor-parallel block is one graph to torch.compile (no break at its collectives); compiled, the
+    model's loss and every gradient are eager's, and Grid counts the same collectives, call by call."""
+    grid.sp = sp
+    cfg = gpt.GPTConfig(n_layer=2, n_head=2, n_embd=C, block_size=T, vocab_size=V, attn="math")
+    idx = torch.randint(0, V, (B, T + 1), generator=torch.Generator().manual_seed(0))
+
+    def loss_grads_and_counts(model):
+        grid.traffic.reset()
+        _, loss = model(idx[:, :-1], idx[:, 1:])
+        loss.backward()
+        return loss, {n: p.grad for n, p in model.named_parameters()}, dict(grid.traffic.counts)
+
+    eager = shard.build_model(cfg, grid, 0, torch.device("cpu"), T)
+    compiled = shard.build_model(cfg, grid, 0, torch.device("cpu"), T)
+    for block in compiled.transformer.h:
+        x = torch.randn(B, T // grid.tp if sp else T, C)
+        explained = torch._dynamo.explain(block)(x)
+        assert explained.graph_count == 1, [str(b.reason)[:200] for b in explained.break_reasons]
+        block.compile(backend="aot_eager", fullgraph=True)  # a break would be an error
+    (loss, grads, counts), (want, want_grads, want_counts) = (loss_grads_and_counts(m) for m in (compiled, eager))
+    torch.testing.assert_close(loss, want, rtol=1e-6, atol=0)
+    for name, g in want_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-7, msg=name)
+    assert counts == want_counts and counts[("all_gather" if sp else "all_reduce", "tp")][0] > 0, counts
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp-sp"])
+def test_tensor_parallel_blocks_compile_to_one_graph_each(sp):
+    ranks(2, check_compiled_blocks, sp)
