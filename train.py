@@ -191,7 +191,7 @@ def setup(cfg: config.TrainConfig) -> Run:
     opt = make_optimizer(model, cfg, sync)
     # ZeRO-3's weights, gathered around each use: after the optimizer has sharded them
     gather = zero.ParamGather(model, sync, grid, compiled=cfg.compile) if cfg.zero == 3 else None
-    stages = pipeline.Pipeline(model, grid, cfg.pp_schedule, grad_sync=sync) if grid.pp > 1 else None
+    stages = pipeline.executor(model, grid, cfg.pp_schedule, grad_sync=sync) if grid.pp > 1 else None
     if stages and (warning := formulas.pipeline_warning(grid.pp, per_rank // cfg.micro_batch_size, grid.vp)):
         grid.log(warning)
     scaler = stability.LossScaler(precision.loss_scaling, cfg.loss_scale, cfg.loss_scale_window)
