@@ -55,6 +55,9 @@ class Bucket:
         self.shard_size = self.padded // pad_to
         self.main_grad = torch.zeros(self.padded, dtype=torch.float32, device=device) if persistent else None
         self.shard_grad = None
+        # ZeRO-1: the reduce-scatter's output, copied into shard_grad once it arrives (shard_grad is a
+        # view of main_grad, which the collective is still reading)
+        self.received = None
         self.ready, self.work, self.launched = 0, None, False
 
     def views(self, flat: torch.Tensor):
@@ -107,7 +110,8 @@ class GradSync:
             for p, off in zip(b.params, b.offsets):
                 self.slot[p] = (b, off)
                 p.register_post_accumulate_grad_hook(self._on_grad)
-        self.pending = deque()  # ZeRO-2/3: (bucket, received shard, work) still in flight
+        # ZeRO-2/3, in flight: (bucket, received shard, work, the whole buffer it reads, kept alive till done)
+        self.pending = deque()
         self.on_reduced = None  # ZeRO-3: called with a bucket whose gradients are all in (frees its weights)
         self.events, self.last_events = [], []  # (what, bucket, seconds): the overlap, measured
 
@@ -150,8 +154,8 @@ class GradSync:
                 self._receive()
             return
         if self.zero:  # each rank receives the sum of only its shard
-            b.shard = torch.empty(b.shard_size, device=b.main_grad.device)
-            b.work = self.grid.reduce_scatter(b.shard, b.main_grad, "dp_cp", async_op=True)
+            b.received = torch.empty(b.shard_size, device=b.main_grad.device)
+            b.work = self.grid.reduce_scatter(b.received, b.main_grad, "dp_cp", async_op=True)
         else:
             b.work = self.grid.all_reduce(b.main_grad, "dp_cp", async_op=True)
         b.launched = True
@@ -177,7 +181,7 @@ class GradSync:
                 op = "reduce_scatter" if self.zero else "all_reduce"
                 peer_call(b.work.wait, what=self.grid.describe(f"the gradients' {op}", "dp_cp"))
             if self.zero == 1:
-                b.shard_grad.copy_(b.shard)
+                b.shard_grad.copy_(b.received)
             if self.zero:
                 b.shard_grad /= self.grid.dp_cp
             else:
@@ -207,19 +211,11 @@ class GradSync:
         return self.slot[p][0]
 
 
-# ----------------------------------------------------------------------------- tensor parallel
+# ----------------------------------------------------------------------------- after the backward
 #
-# Megatron-LM (Shoeybi et al. 2019, section 3): split the first matmul of a pair by columns and
-# the second by rows, and the pair needs one all-reduce forward and one backward.
-#
-#     X ─f─▶ [X A_1 | X A_2] ─gelu─▶ [Y_1 | Y_2] ─▶ Y_1 B_1 + Y_2 B_2 ─g─▶ Z
-#            column-parallel (A split by output)    row-parallel (B split by input)
-#
-#     f: forward identity, backward all-reduce     g: forward all-reduce, backward identity
-#
-# Sequence parallelism (Korthikanti et al. 2022, section 4.2.2) cuts the LayerNorm/dropout regions
-# between the pairs along the sequence: f becomes an all-gather of the sequence, g a
-# reduce-scatter of it; the same bytes move, but those activations take 1/tp of the memory.
+# Between the last backward and the optimizer: the gradients tensor and pipeline parallelism leave
+# partial (sequence parallelism's LayerNorms and biases, the tied embedding's two copies) are summed,
+# and the global norm counts each element once.
 
 
 def local_grads(model: torch.nn.Module, sync: GradSync | None) -> list[torch.Tensor]:

@@ -1,38 +1,40 @@
-"""Pipeline parallelism: the layers cut into p stages, a batch into m micro-batches that flow
-through them.
+"""Pipeline parallelism: the layers cut into p stages, one per rank, and a batch into m micro-batches
+that flow through them. A stage runs the forward (F) of a micro-batch once the stage before it has,
+and its backward (B) once the stage after it has.
 
-A schedule is just the order in which one stage runs forwards (F) and backwards (B):
+A schedule is just the order in which one stage runs its forwards and backwards:
 
   gpipe (Huang et al. 2019): all m forwards, then all m backwards. Every stage holds the
       activations of all m micro-batches at once.
-  1f1b (Narayanan et al. 2021, PipeDream-Flush): p - rank - 1 warm-up forwards, then one
-      forward / one backward in turn, then the remaining backwards. Same bubble, at most
-      p - rank micro-batches of activations alive.
+  1f1b (PipeDream-Flush; Narayanan et al. 2021, section 2.2.1), in three phases:
+
+          warm-up     p - rank - 1 forwards, while micro-batch 0 goes on to the last stage and its
+                      gradient comes back
+          steady      one forward, then one backward, in turn
+          cool-down   the backwards still to run
+
+          p = 4, m = 6     warm-up     steady                  cool-down
+            stage 0        F0 F1 F2    F3 B0 F4 B1 F5 B2       B3 B4 B5
+            stage 3                    F0 B0 F1 B1 ... F5 B5
+
+      Each backward frees its micro-batch's activations, so a stage holds at most p - rank of
+      them, whatever m is.
 
 Either way each stage idles for (p - 1) of (m + p - 1) time slots: the bubble.
 
-  interleaved (the same paper, section 2.2.2): each rank holds v chunks of layers instead of one
-      contiguous run, so the model is p * v virtual stages, chunk c of rank r being virtual stage
-      c * p + r. A micro-batch goes round the ranks v times:
+Schedules are data (lists of ops), so `simulate` can lay them on a clock, `draw_schedule` print
+them, `check_messages` prove their sends and receives pair up, and the `Pipeline` executor run
+whichever one it is given. `generate` samples across the stages.
 
-          p = 2, v = 2, 8 layers:   rank 0: h.0-1 (chunk 0)  h.4-5 (chunk 1)
-                                    rank 1: h.2-3 (chunk 0)  h.6-7 (chunk 1)
-          micro-batch:  rank 0 chunk 0 -> rank 1 chunk 0 -> rank 0 chunk 1 -> rank 1 chunk 1 (loss)
-
-      An op runs one chunk, 1/v of a stage's work, so filling and draining the pipeline costs p - 1
-      slots of 1/v the size: the bubble is (p - 1) / (v m + p - 1). The price is v times more
-      messages between ranks (a micro-batch crosses p v - 1 boundaries instead of p - 1), more
-      activations on the first rank (2 (p - 1) + (v - 1) p + 1 chunks of them: p + (p - 1) / v
-      stages' worth instead of p), and Megatron's constraint that m is a multiple of p (micro-batches
-      go through in groups of p per chunk).
-
-An op is (kind, micro) or, with chunks, (kind, micro, chunk). Schedules are data (lists of ops), so
-`simulate` can lay them on a clock, `draw_schedule` print them, `check_messages` prove their
-sends and receives pair up, and the `Pipeline` executor run whichever one it is given. `generate`
-samples across the stages.
+Interleaved 1F1B (the same paper, section 2.2.2) gives each rank v chunks of layers instead of one
+stage, for a bubble about v times smaller. It is an extension, in its own section near the end
+(`interleaved_1f1b`, `InterleavedPipeline`): everything before it reads as plain 1F1B, and a first
+reading can skip it. Where the code before it is already general, it says so: an op may name a
+chunk, and a stage may be a virtual one (`virtual_stage`).
 """
 
 from collections import defaultdict
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,7 +42,9 @@ import model as gpt
 from parallel import Grid, LayoutError
 from shard import rank_layers
 
-Op = tuple  # ("F" | "B", micro) or ("F" | "B", micro, chunk)
+Op = tuple  # ("F" | "B", micro): one micro-batch's forward or backward; interleaved, ("F" | "B", micro, chunk)
+
+# ----------------------------------------------------------------------------- schedules
 
 
 def gpipe(p: int, rank: int, m: int) -> list[tuple[str, int]]:
@@ -48,86 +52,56 @@ def gpipe(p: int, rank: int, m: int) -> list[tuple[str, int]]:
 
 
 def one_f_one_b(p: int, rank: int, m: int) -> list[tuple[str, int]]:
-    warmup = min(p - rank - 1, m)
-    ops = [("F", i) for i in range(warmup)]
-    for i in range(m - warmup):  # steady state: forward i + warmup, backward i
-        ops += [("F", warmup + i), ("B", i)]
-    return ops + [("B", i) for i in range(m - warmup, m)]
-
-
-def interleaved_1f1b(p: int, rank: int, m: int, v: int) -> list[tuple[str, int, int]]:
-    """Megatron's interleaved 1F1B: 1f1b over the m * v chunk-ops of a rank. Forwards go through in
-    groups of p micro-batches: micro-batches 0..p-1 through chunk 0, then through chunk 1, ..., then
-    p..2p-1 through chunk 0; backwards in the same groups, from the last chunk down. Warm-up is
-    (p - rank - 1) * 2 + (v - 1) * p forwards: the last rank can start the backward of micro-batch 0
-    once the first group has been through chunks 0..v-2, (v - 1) * p forwards; each rank before it
-    waits two slots more (the activation goes down a rank, the gradient comes back), and fills
-    them with two more forwards."""
-    if m % p:
-        raise LayoutError(f"the interleaved schedule needs the micro-batches ({m}) to be a multiple of --pp {p}")
-
-    def nth(kind: str, k: int) -> tuple[str, int, int]:  # the k-th forward or backward chunk-op
-        group, j = divmod(k, p * v)
-        chunk = j // p if kind == "F" else v - 1 - j // p
-        return kind, group * p + j % p, chunk
-
-    total = m * v
-    warmup = min((p - rank - 1) * 2 + (v - 1) * p, total)
-    ops = [nth("F", k) for k in range(warmup)]
-    for k in range(total - warmup):  # steady state: forward k + warmup, backward k
-        ops += [nth("F", warmup + k), nth("B", k)]
-    return ops + [nth("B", k) for k in range(total - warmup, total)]
-
-
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b}
-
-
-def schedule_ops(schedule: str, p: int, rank: int, m: int, v: int = 1) -> list[Op]:
-    """The op list of pipeline rank `rank` under a named schedule (v chunks only for interleaved)."""
-    return interleaved_1f1b(p, rank, m, v) if schedule == "interleaved" else SCHEDULES[schedule](p, rank, m)
+    w = min(p - rank - 1, m)  # the warm-up's forwards
+    warm_up = [("F", i) for i in range(w)]
+    steady = [op for i in range(w, m) for op in (("F", i), ("B", i - w))]  # forward i, backward i - w
+    cool_down = [("B", i) for i in range(m - w, m)]
+    return warm_up + steady + cool_down
 
 
 def op_parts(op: Op) -> tuple[str, int, int]:
-    """(kind, micro, chunk); an op without a chunk runs chunk 0, the stage's only one."""
+    """(kind, micro, chunk); an op without a chunk runs chunk 0, its stage's only one."""
     return (op[0], op[1], op[2] if len(op) > 2 else 0)
 
 
-def peers(op: Op, rank: int, p: int, v: int) -> tuple[int | None, int | None]:
-    """(the pipeline rank op receives its input from, the one it sends its output to); None at the ends
-    of the (virtual) pipeline. A forward of virtual stage s takes an activation from s - 1 and gives
-    one to s + 1; a backward takes a gradient from s + 1 and gives one to s - 1. Consecutive virtual
-    stages are on consecutive ranks, wrapping from rank p - 1 (chunk c) to rank 0 (chunk c + 1)."""
-    kind, _, chunk = op_parts(op)
-    s = chunk * p + rank
-    before = (rank - 1) % p if s > 0 else None
-    after = (rank + 1) % p if s < p * v - 1 else None
-    return (before, after) if kind == "F" else (after, before)
+def virtual_stage(op: Op, rank: int, p: int) -> int:
+    """The stage an op runs: `rank`, the rank's own. (Interleaved, chunk c of rank r is virtual stage
+    c * p + r: see the interleaving section.)"""
+    return op_parts(op)[2] * p + rank
+
+
+def n_chunks(stage_ops: list[list[Op]]) -> int:
+    """How many chunks each rank holds: 1, or interleaved v."""
+    return 1 + max(op_parts(op)[2] for row in stage_ops for op in row)
+
+
+# ----------------------------------------------------------------------------- the clock
 
 
 def simulate(stage_ops: list[list[Op]]) -> list[list[tuple[int, str, int, int]]]:
     """Place each stage's ops on a clock where F and B take one slot, F(i) waits for F(i) on the
-    (virtual) stage before and B(i) for B(i) on the one after. With chunks, an op is one chunk's
-    work, so a slot is 1/v of a full stage's time. Returns (start, kind, micro, chunk) per stage."""
+    stage before and B(i) for B(i) on the one after (interleaved: on the virtual stage before and
+    after; an op is one chunk's work, so a slot is 1/v of a stage's time). Returns (start, kind,
+    micro, chunk) per stage."""
     p = len(stage_ops)
-    ops = [[op_parts(op) for op in row] for row in stage_ops]
-    n_virtual = p * (1 + max(c for row in ops for _, _, c in row))
+    n_stages = p * n_chunks(stage_ops)
     done, free, pos, timeline = {}, [0] * p, [0] * p, [[] for _ in range(p)]
     moved = True
     while moved:
         moved = False
         for r in range(p):
-            while pos[r] < len(ops[r]):
-                kind, i, c = ops[r][pos[r]]
-                s = c * p + r
-                dep = (s - 1 if kind == "F" else s + 1, kind, i)  # the virtual stage this op waits for
-                dep = dep if 0 <= dep[0] < n_virtual else None
+            while pos[r] < len(stage_ops[r]):
+                op = stage_ops[r][pos[r]]
+                (kind, i, c), s = op_parts(op), virtual_stage(op, r, p)
+                dep = (s - 1 if kind == "F" else s + 1, kind, i)  # the stage this op waits for
+                dep = dep if 0 <= dep[0] < n_stages else None
                 if dep is not None and dep not in done:
                     break
                 start = max(free[r], done.get(dep, 0))
                 done[(s, kind, i)] = free[r] = start + 1
                 timeline[r].append((start, kind, i, c))
                 pos[r], moved = pos[r] + 1, True
-    if any(pos[r] < len(ops[r]) for r in range(p)):
+    if any(pos[r] < len(stage_ops[r]) for r in range(p)):
         raise LayoutError("this pipeline schedule deadlocks")
     return timeline
 
@@ -146,12 +120,11 @@ def bubble_formula(p: int, m: int, v: int = 1) -> float:
 
 
 def draw_schedule(stage_ops: list[list[Op]]) -> str:
-    """The pipeline as text: one row per stage, one column per time slot, '.' where it idles. With
-    chunks, a letter names the chunk: F3a is micro-batch 3 through chunk 0, F3b through chunk 1."""
+    """The pipeline as text: one row per stage, one column per time slot, '.' where it idles.
+    Interleaved, a letter names the chunk: F3a is micro-batch 3 through chunk 0, F3b through chunk 1."""
     timeline = simulate(stage_ops)
     span = max(t[0] + 1 for ops in timeline for t in ops)
-    ops = [op_parts(op) for op in stage_ops[0]]
-    v, m = 1 + max(c for _, _, c in ops), len({i for _, i, _ in ops})
+    v, m = n_chunks(stage_ops), len({op[1] for op in stage_ops[0]})
     width = 3 if v == 1 else len(str(m - 1)) + 2
     rows = []
     for s, ops in enumerate(timeline):
@@ -166,34 +139,31 @@ def draw_schedule(stage_ops: list[list[Op]]) -> str:
 
 CHUNK_NAMES = "abcdefghijklmnopqrstuvwxyz"  # draw_schedule's names of chunks 0, 1, 2, ...
 
-
-def units(ops: list[Op], pair: bool = False) -> list[list[Op]]:
-    """The ops the executor runs between two calls to send_recv: one op; or with `pair` (interleaved)
-    and a steady state to pair in, a forward with the backward right after it, as Megatron does:
-    the pair's two receives are posted before it, its two sends after it, all four in one batch.
-    (One op at a time deadlocks the interleaved schedule: in its steady state every rank sends a
-    gradient back to the rank before it, which posts that receive only after its next forward, and
-    so on around the ring of ranks. check_messages finds that; it passes this rule.)"""
-    pair = pair and any(a[0] == "B" and b[0] == "F" for a, b in zip(ops, ops[1:]))  # a steady state
-    out = []
-    for op in ops:
-        if pair and out and len(out[-1]) == 1 and out[-1][0][0] == "F" and op[0] == "B":
-            out[-1].append(op)
-        else:
-            out.append([op])
-    return out
+# ----------------------------------------------------------------------------- the messages
 
 
-def message_batches(ops: list[Op], rank: int, p: int, v: int, pair: bool = False) -> list[list[tuple]]:
+def peers(op: Op, rank: int, p: int, v: int = 1) -> tuple[int | None, int | None]:
+    """(the pipeline rank op receives its input from, the one it sends its output to); None at the
+    ends of the pipeline. A forward takes an activation from the stage before and hands one to the
+    stage after; a backward takes a gradient from the stage after and hands one to the stage before.
+    (Interleaved, consecutive virtual stages sit on consecutive ranks, so the `% p` wraps from rank
+    p - 1's chunk c to rank 0's chunk c + 1.)"""
+    s = virtual_stage(op, rank, p)
+    before = (rank - 1) % p if s > 0 else None
+    after = (rank + 1) % p if s < p * v - 1 else None
+    return (before, after) if op[0] == "F" else (after, before)
+
+
+def message_batches(ops: list[Op], rank: int, p: int, v: int = 1, pair: bool = False) -> list[list[tuple]]:
     """The executor's calls to send_recv on one rank, each a list of (direction, peer, message): the
-    sends of a unit, then the receives of the next. A message is named by (kind, micro, the virtual
-    stage that sends it)."""
+    sends of an op, then the receives of the next. A message is named by (kind, micro, the stage
+    that sends it). With `pair` (interleaved), a unit of ops between two calls is `pair_steady`'s."""
     batches, sends = [], []
-    for unit in units(ops, pair):
+    for unit in pair_steady(ops) if pair else [[op] for op in ops]:
         recvs, unit_sends = [], []
         for op in unit:
-            kind, i, c = op_parts(op)
-            (before, after), s = peers(op, rank, p, v), c * p + rank
+            (kind, i, _), s = op_parts(op), virtual_stage(op, rank, p)
+            before, after = peers(op, rank, p, v)
             if before is not None:
                 recvs.append(("recv", before, (kind, i, s - 1 if kind == "F" else s + 1)))
             if after is not None:
@@ -234,8 +204,7 @@ OTHER = {"send": "recv", "recv": "send"}
 def message_channels(stage_ops: list[list[Op]], pair: bool) -> tuple[list, dict]:
     """Every rank's batches as lists of (direction, (src, dst), n: the n-th message from src to dst),
     and per (src, dst) what each side posts, in order: (message, the batch it is posted in)."""
-    p = len(stage_ops)
-    v = 1 + max(op_parts(op)[2] for row in stage_ops for op in row)
+    p, v = len(stage_ops), n_chunks(stage_ops)
     batches, channels = [], defaultdict(lambda: {"send": [], "recv": []})
     for r, ops in enumerate(stage_ops):
         batches.append([])
@@ -247,101 +216,246 @@ def message_channels(stage_ops: list[list[Op]], pair: bool) -> tuple[list, dict]
                 channels[link][direction].append((what, b))
     return batches, channels
 
+# ----------------------------------------------------------------------------- the executor
+
+
+@dataclass
+class RunState:
+    """One call of `Pipeline.run`: its micro-batches, how to run them, and what running them leaves."""
+    micro: list[torch.Tensor]  # each a (b, T + 1) row of tokens: the inputs and, one position on, the targets
+    autocast: object  # the precision's context manager (stability.py)
+    train: bool  # False: the forwards alone, nothing stashed (evaluation)
+    scale: float  # what the backward multiplies the loss by (fp16's loss scale)
+    loss: torch.Tensor  # the mean loss, added up by the last stage (0 elsewhere)
+    stash: dict = field(default_factory=dict)  # (micro,) -> (input, output) of its forward, until its backward
+    peak: int = 0  # the most micro-batches stashed at once
+
 
 class Pipeline:
-    """Runs this stage's op list. Before an op it receives what the op needs (an activation from
-    the previous stage for F, a gradient from the next stage for B); the sends of the op before
-    are posted in the same batch, so a send and its matching receive are always in flight
-    together and neither side can wait on the other forever. Interleaved, a steady-state forward
-    and the backward after it count as one op here (`units`); `check_messages` proves the rule for
-    every schedule. Shapes are fixed by the configuration, so no message announces a shape.
+    """Runs this stage's ops of a schedule, one at a time. Before an op it receives what the op needs
+    (an activation from the stage before for F, a gradient from the stage after for B), in one batch
+    (`Grid.send_recv`) with the send of what the op before it made: a send is always in flight
+    together with the receive that matches it, so neither side can wait on the other forever
+    (`check_messages` proves it for every schedule). Shapes are fixed by the configuration, so no
+    message announces a shape.
 
-    Interleaved, this rank runs v chunks: each op runs one chunk's blocks (`model.blocks(which=...)`),
-    the previous and next ranks wrap around (rank p - 1, chunk c feeds rank 0, chunk c + 1), and the
-    stash of activations waiting for their backward is keyed by (micro-batch, chunk).
+    A forward stashes its input and output until its micro-batch's backward pops them: that stash is
+    the activation memory 1F1B bounds (`peak_live` records the most it held).
 
     The executor also decides which backward is the last of the step, so it owns the data-parallel
-    flag that says when gradients are reduced (`grad_sync`, a gradients.GradSync, or None)."""
+    flag that says when gradients are reduced (`grad_sync`, a gradients.GradSync, or None).
+
+    `InterleavedPipeline` (the last section) is this class with four methods changed: `ops`,
+    `units`, `peers` and `place`."""
 
     def __init__(self, model: gpt.GPT, grid: Grid, schedule: str, grad_sync=None):
         self.model, self.grid, self.schedule, self.grad_sync = model, grid, schedule, grad_sync
-        self.p, self.v, self.rank = grid.pp, grid.vp, grid.pp_rank
-        self.last = self.p * self.v - 1  # the last virtual stage, which computes the loss
-        self.chunks = chunk_positions(model, grid)
+        self.p, self.rank = grid.pp, grid.pp_rank
         self.dtype = next(model.parameters()).dtype
-        self.ops_run, self.peak_live = [], 0
+        self.ops_run, self.peak_live = [], 0  # what the last run did, for --print-schedule
+
+    def run(self, micro: list[torch.Tensor], autocast, train: bool = True, scale: float = 1.0) -> torch.Tensor:
+        """Forward (and backward) of every micro-batch (rows of T+1 tokens); returns the mean loss
+        on the last stage, 0 elsewhere. Without training, the schedule's forwards alone, in its order."""
+        state = RunState(micro, autocast, train, scale, torch.zeros((), device=self.grid.device))
+        ops = [op for op in self.ops(len(micro)) if train or op[0] == "F"]
+        sends = []  # what the last op made, for its neighbour: posted with the next op's receive
+        for unit in self.units(ops):  # [op], one at a time (interleaved: `pair_steady`)
+            received = self.exchange(sends, unit, state)
+            sends = []
+            for op, x in zip(unit, received):
+                y = self.forward(op, x, state) if op[0] == "F" else self.backward(op, x, state)
+                if (after := self.peers(op)[1]) is not None:
+                    sends.append((y, self.grid.stage_rank(after)))
+        self.grid.send_recv(sends, [])
+        self.ops_run, self.peak_live = ops, state.peak
+        return state.loss
+
+    def ops(self, m: int) -> list[Op]:
+        """This stage's ops for m micro-batches, in the schedule's order."""
+        return SCHEDULES[self.schedule](self.p, self.rank, m)
+
+    def units(self, ops: list[Op]) -> list[list[Op]]:
+        """The ops run between two calls to send_recv: one at a time."""
+        return [[op] for op in ops]
+
+    def peers(self, op: Op) -> tuple[int | None, int | None]:
+        """(the pipeline rank op receives from, the one it sends to): the stages before and after."""
+        return peers(op, self.rank, self.p)
+
+    def place(self, op: Op) -> tuple[range | None, bool, bool]:
+        """(which of this rank's blocks op runs: all, does it embed the tokens, does it end in the loss)."""
+        return None, self.grid.first_stage, self.grid.last_stage
+
+    def exchange(self, sends: list[tuple[torch.Tensor, int]], unit: list[Op],
+                 state: RunState) -> list[torch.Tensor | None]:
+        """Post the sends of the ops before with the receives of these ops, in one batch; returns what
+        each op received (None where it receives nothing: a forward of the first stage reads the
+        tokens, a backward of the last starts from the loss)."""
+        before = [self.peers(op)[0] for op in unit]
+        bufs = [None if b is None else torch.empty(self.act_shape(state.micro[0]), dtype=self.dtype,
+                                                   device=self.grid.device) for b in before]
+        self.grid.send_recv(sends, [(buf, self.grid.stage_rank(b)) for buf, b in zip(bufs, before) if buf is not None])
+        return bufs
 
     def act_shape(self, micro: torch.Tensor) -> tuple[int, int, int]:
         T = (micro.size(1) - 1) // self.grid.cp  # each context-parallel rank holds T/cp tokens...
         return micro.size(0), T // self.grid.tp if self.grid.sp else T, self.model.config.n_embd  # ...and SP a tp-th
 
-    def run(self, micro: list[torch.Tensor], autocast, train: bool = True, scale: float = 1.0) -> torch.Tensor:
-        """Forward (and backward) of every micro-batch (rows of T+1 tokens); returns the mean loss
-        on the last stage, 0 elsewhere. Without training, the schedule's forwards alone, in its order."""
-        ops = [op_parts(op) for op in schedule_ops(self.schedule, self.p, self.rank, len(micro), self.v)]
-        ops = ops if train else [op for op in ops if op[0] == "F"]
-        self.micro, self.autocast, self.train, self.scale = micro, autocast, train, scale
-        self.stash, self.total, sends = {}, torch.zeros((), device=self.grid.device), []
-        self.ops_run, self.peak_live = [], 0
-        for unit in units(ops, pair=self.schedule == "interleaved"):
-            inputs = self.exchange(sends, unit)
-            sends = []
-            for op, buf in zip(unit, inputs):
-                out = self.forward(*op[1:], buf) if op[0] == "F" else self.backward(*op[1:], buf)
-                after = peers(op, self.rank, self.p, self.v)[1]
-                if after is not None:
-                    sends.append((out, self.grid.stage_rank(after)))
-                self.ops_run.append(op)
-        self.grid.send_recv(sends, [])
-        return self.total
-
-    def exchange(self, sends: list[tuple[torch.Tensor, int]], unit: list[Op]) -> list[torch.Tensor | None]:
-        """Post the previous unit's sends with the receives of this unit's ops, in one batch; returns
-        what each op received (None where it receives nothing: a forward of virtual stage 0 reads the
-        tokens, a backward of the last starts from the loss)."""
-        before = [peers(op, self.rank, self.p, self.v)[0] for op in unit]
-        bufs = [None if b is None else torch.empty(self.act_shape(self.micro[0]), dtype=self.dtype,
-                                                   device=self.grid.device) for b in before]
-        self.grid.send_recv(sends, [(buf, self.grid.stage_rank(b)) for buf, b in zip(bufs, before) if buf is not None])
-        return bufs
-
-    def forward(self, i: int, chunk: int, buf: torch.Tensor | None) -> torch.Tensor:
-        """Micro-batch i through one chunk; returns the activation for the next virtual stage."""
-        model, s = self.model, chunk * self.p + self.rank
-        with self.grid.span("F"), torch.set_grad_enabled(self.train), self.autocast:
-            x = model.embed(self.micro[i][:, :-1]) if s == 0 else buf.requires_grad_(self.train)
-            y = model.blocks(x, which=self.chunks[chunk])
-            if s == self.last:
-                y = model.head_loss(y, self.micro[i][:, 1:]) / len(self.micro)
-                self.total += y.detach()
-        if self.train:
-            self.stash[(i, chunk)] = (x, y)
-            self.peak_live = max(self.peak_live, len(self.stash))
+    def forward(self, op: Op, x: torch.Tensor | None, state: RunState) -> torch.Tensor:
+        """Micro-batch op[1] through this stage; returns the activation for the stage after."""
+        (which, first, last), i, model = self.place(op), op[1], self.model
+        with self.grid.span("F"), torch.set_grad_enabled(state.train), state.autocast:
+            x = model.embed(state.micro[i][:, :-1]) if first else x.requires_grad_(state.train)
+            y = model.blocks(x, which=which)
+            if last:
+                y = model.head_loss(y, state.micro[i][:, 1:]) / len(state.micro)
+                state.loss += y.detach()
+        if state.train:
+            state.stash[op[1:]] = (x, y)  # keyed by the op without its kind: (micro,), interleaved (micro, chunk)
+            state.peak = max(state.peak, len(state.stash))
         return y.detach()
 
-    def backward(self, i: int, chunk: int, buf: torch.Tensor | None) -> torch.Tensor | None:
-        """Micro-batch i back through one chunk; returns the gradient for the previous virtual stage."""
-        x, y = self.stash.pop((i, chunk))
+    def backward(self, op: Op, grad: torch.Tensor | None, state: RunState) -> torch.Tensor | None:
+        """Micro-batch op[1] back through this stage; returns the gradient for the stage before."""
+        (_, first, last), i = self.place(op), op[1]
+        x, y = state.stash.pop(op[1:])
         if self.grad_sync is not None:
-            # Reduce a gradient during its last accumulation only: chunk c's parameters get theirs in
-            # the backward of (the last micro-batch, c), the last op of that chunk in every schedule.
-            self.grad_sync.require_backward_grad_sync = i == len(self.micro) - 1
-        s = chunk * self.p + self.rank
+            # Reduce a gradient during its last accumulation only: the backward of the last micro-batch,
+            # the last op of every schedule (interleaved: the last op of each chunk).
+            self.grad_sync.require_backward_grad_sync = i == len(state.micro) - 1
         with self.grid.span("B"):
-            if s == self.last:
-                (y * self.scale).backward()
+            if last:
+                (y * state.scale).backward()
             else:
-                y.backward(buf)
-        return None if s == 0 else x.grad  # (virtual stage 0's input is the embedding's output, no leaf)
+                y.backward(grad)
+        return None if first else x.grad  # (the first stage's input is the embedding's output, no leaf)
 
     def all_stage_ops(self) -> list[list[tuple[str, int, int]]]:
-        """Every stage's executed op sequence, gathered over the pipeline group."""
-        codes = torch.tensor([((k == "B") * 1000 + c) * 1_000_000 + i for k, i, c in self.ops_run],
-                             dtype=torch.long, device=self.grid.device)
-        out = codes.new_empty((self.grid.pp, codes.numel()))
-        self.grid.all_gather(out.view(-1), codes, "pp")
-        return [[("B" if c >= 1_000_000_000 else "F", c % 1_000_000, c // 1_000_000 % 1000) for c in row.tolist()]
-                for row in out]
+        """Every stage's ops of the last run, (kind, micro, chunk), gathered over the pipeline group."""
+        mine = encode_ops(self.ops_run).to(self.grid.device)  # (n, 3): every stage ran as many
+        every = mine.new_empty((self.grid.pp, *mine.shape))
+        self.grid.all_gather(every.view(-1), mine.view(-1), "pp")
+        return [decode_ops(rows) for rows in every]
+
+
+KINDS = ("F", "B")  # an op's kind as a number: its index here
+
+
+def encode_ops(ops: list[Op]) -> torch.Tensor:
+    """Ops as a (n, 3) integer tensor, a collective's payload: a row (kind, micro, chunk) per op."""
+    return torch.tensor([(KINDS.index(k), i, c) for k, i, c in map(op_parts, ops)], dtype=torch.long).view(-1, 3)
+
+
+def decode_ops(rows: torch.Tensor) -> list[tuple[str, int, int]]:
+    """encode_ops undone: (kind, micro, chunk) per row."""
+    return [(KINDS[k], i, c) for k, i, c in rows.tolist()]
+
+
+# ----------------------------------------------------------------------------- interleaving: v chunks per rank
+#
+# Interleaved 1F1B (Narayanan et al. 2021, section 2.2.2): each rank holds v chunks of layers instead
+# of one contiguous run, so the model is p * v virtual stages, chunk c of rank r being virtual stage
+# c * p + r (`virtual_stage`). A micro-batch goes round the ranks v times:
+#
+#     p = 2, v = 2, 8 layers:   rank 0: h.0-1 (chunk 0)  h.4-5 (chunk 1)
+#                               rank 1: h.2-3 (chunk 0)  h.6-7 (chunk 1)
+#     micro-batch:  rank 0 chunk 0 -> rank 1 chunk 0 -> rank 0 chunk 1 -> rank 1 chunk 1 (loss)
+#
+# An op runs one chunk, 1/v of a stage's work, so filling and draining the pipeline costs p - 1
+# slots of 1/v the size: the bubble is (p - 1) / (v m + p - 1). The price is v times more messages
+# between ranks (a micro-batch crosses p v - 1 boundaries instead of p - 1), more activations on the
+# first rank (2 (p - 1) + (v - 1) p + 1 chunks of them: p + (p - 1) / v stages' worth instead of p),
+# and Megatron's constraint that m is a multiple of p (micro-batches go through in groups of p per
+# chunk).
+#
+# The simulator, the drawing and the proof of the messages above already take chunks. What this
+# section adds: the schedule, a steady forward paired with its backward in one exchange, and the
+# executor's four changes.
+
+
+def interleaved_1f1b(p: int, rank: int, m: int, v: int) -> list[tuple[str, int, int]]:
+    """Megatron's interleaved 1F1B: 1F1B's three phases over the m * v chunk-ops of a rank. Forwards
+    go through in groups of p micro-batches: micro-batches 0..p-1 through chunk 0, then through
+    chunk 1, ..., then p..2p-1 through chunk 0; backwards in the same groups, from the last chunk
+    down. Warm-up is (p - rank - 1) * 2 + (v - 1) * p forwards: the last rank can start the backward
+    of micro-batch 0 once the first group has been through chunks 0..v-2, (v - 1) * p forwards;
+    each rank before it waits two slots more (the activation goes down a rank, the gradient comes
+    back), and fills them with two more forwards."""
+    if m % p:
+        raise LayoutError(f"the interleaved schedule needs the micro-batches ({m}) to be a multiple of --pp {p}")
+
+    def nth(kind: str, k: int) -> tuple[str, int, int]:  # the k-th forward or backward chunk-op
+        group, j = divmod(k, p * v)
+        chunk = j // p if kind == "F" else v - 1 - j // p
+        return kind, group * p + j % p, chunk
+
+    n, w = m * v, min((p - rank - 1) * 2 + (v - 1) * p, m * v)  # chunk-ops of each kind; the warm-up's
+    warm_up = [nth("F", k) for k in range(w)]
+    steady = [op for k in range(w, n) for op in (nth("F", k), nth("B", k - w))]
+    cool_down = [nth("B", k) for k in range(n - w, n)]
+    return warm_up + steady + cool_down
+
+
+def pair_steady(ops: list[Op]) -> list[list[Op]]:
+    """The interleaved executor's units, the ops between two calls to send_recv: one op, or, in a
+    steady state, a forward with the backward right after it, as Megatron does: the pair's two
+    receives are posted before it, its two sends after it, all four in one batch. (One op at a time
+    deadlocks the interleaved schedule: in its steady state every rank sends a gradient back to the
+    rank before it, which posts that receive only after its next forward, and so on around the ring
+    of ranks. check_messages finds that; it passes this rule.)"""
+    steady = any(a[0] == "B" and b[0] == "F" for a, b in zip(ops, ops[1:]))
+    out = []
+    for op in ops:
+        if steady and out and len(out[-1]) == 1 and out[-1][0][0] == "F" and op[0] == "B":
+            out[-1].append(op)
+        else:
+            out.append([op])
+    return out
+
+
+class InterleavedPipeline(Pipeline):
+    """The executor with v chunks of layers per rank. Four methods change: the ops
+    (`interleaved_1f1b`, each naming its chunk), the units of an exchange (`pair_steady`), where an
+    op's messages go (virtual stages: rank p - 1's chunk c feeds rank 0's chunk c + 1), and where an
+    op runs (its chunk's blocks, `model.blocks(which=...)`; the embedding in virtual stage 0 only,
+    the loss in the last). The stash needs no change: its key, the op without its kind, is
+    (micro-batch, chunk) now."""
+
+    def __init__(self, model: gpt.GPT, grid: Grid, schedule: str = "interleaved", grad_sync=None):
+        super().__init__(model, grid, schedule, grad_sync)
+        self.v, self.chunks = grid.vp, chunk_positions(model, grid)
+
+    def ops(self, m: int) -> list[Op]:
+        return interleaved_1f1b(self.p, self.rank, m, self.v)
+
+    def units(self, ops: list[Op]) -> list[list[Op]]:
+        return pair_steady(ops)
+
+    def peers(self, op: Op) -> tuple[int | None, int | None]:
+        return peers(op, self.rank, self.p, self.v)
+
+    def place(self, op: Op) -> tuple[range | None, bool, bool]:
+        s = virtual_stage(op, self.rank, self.p)
+        return self.chunks[op[2]], s == 0, s == self.p * self.v - 1
+
+
+def chunk_positions(model: gpt.GPT, grid: Grid) -> list[range]:
+    """Where each of this rank's chunks sits among the blocks it holds (keep_stage keeps them in
+    layer order): the `which` of model.blocks. Without interleaving, one chunk: all of them."""
+    sizes = [len(chunk) for chunk in rank_layers(model.config.n_layer, grid.pp, grid.vp, grid.pp_rank)]
+    return [range(sum(sizes[:c]), sum(sizes[:c + 1])) for c in range(grid.vp)]
+
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b}  # what --pp-schedule names
+
+
+def executor(model: gpt.GPT, grid: Grid, schedule: str, grad_sync=None) -> Pipeline:
+    """The executor of a named schedule: InterleavedPipeline for interleaved, Pipeline for the others."""
+    return (InterleavedPipeline if schedule == "interleaved" else Pipeline)(model, grid, schedule, grad_sync)
+
+
+# ----------------------------------------------------------------------------- sampling across stages
 
 
 @torch.no_grad()
@@ -385,10 +499,3 @@ class StageLogits:
             logits = torch.zeros(y.size(0), 1, model.config.padded_vocab // grid.tp, device=y.device)
         grid.all_reduce(logits, "pp")  # (B, 1, V/tp) on every stage
         return model.gather_vocab(logits[:, -1, :])
-
-
-def chunk_positions(model: gpt.GPT, grid: Grid) -> list[range]:
-    """Where each of this rank's chunks sits among the blocks it holds (keep_stage keeps them in
-    layer order): the `which` of model.blocks."""
-    sizes = [len(chunk) for chunk in rank_layers(model.config.n_layer, grid.pp, grid.vp, grid.pp_rank)]
-    return [range(sum(sizes[:c]), sum(sizes[:c + 1])) for c in range(grid.vp)]

@@ -185,7 +185,7 @@ def setup(cfg: config.TrainConfig) -> Run:
         grid.log(f"evaluation: {len(val)} batch{'es' if len(val) > 1 else ''} of {cfg.batch_size} sequences, all "
                  f"the validation split holds (--eval-batches {cfg.eval_batches} asked for more)")
     model, sync, opt, gather = build_model_and_optimizer(cfg, grid, model_cfg, device)
-    stages = pipeline.Pipeline(model, grid, cfg.pp_schedule, grad_sync=sync) if grid.pp > 1 else None
+    stages = pipeline.executor(model, grid, cfg.pp_schedule, grad_sync=sync) if grid.pp > 1 else None
     if stages and (warning := formulas.pipeline_warning(grid.pp, per_rank // cfg.micro_batch_size, grid.vp)):
         grid.log(warning)
     scaler = stability.LossScaler(precision.loss_scaling, cfg.loss_scale, cfg.loss_scale_window)

@@ -222,6 +222,23 @@ def test_schedules_are_what_the_papers_say():
         pipeline.simulate(broken)
 
 
+def test_stage_ops_travel_as_rows_of_kind_micro_chunk():
+    """all_stage_ops gathers each stage's ops over the pipeline group as an (n, 3) integer tensor, a row
+    (kind, micro, chunk) per op: every schedule's ops come back as they went, and no number is too
+    large (the micro-batch 2,000,000 and the chunk 1,500 below need more room than a packing into one
+    integer by powers of 1000 gives them)."""
+    p, m, v = 4, 8, 2
+    for schedule in (pipeline.gpipe, pipeline.one_f_one_b, lambda p, r, m: pipeline.interleaved_1f1b(p, r, m, v)):
+        for ops in (schedule(p, r, m) for r in range(p)):
+            rows = pipeline.encode_ops(ops)
+            assert rows.dtype == torch.long and rows.shape == (len(ops), 3)
+            assert pipeline.decode_ops(rows) == [pipeline.op_parts(op) for op in ops]
+    ops = [("F", 0, 0), ("B", 2_000_000, 1500), ("B", 3)]
+    assert pipeline.encode_ops(ops).tolist() == [[0, 0, 0], [1, 2_000_000, 1500], [1, 3, 0]]
+    assert pipeline.decode_ops(pipeline.encode_ops(ops)) == [("F", 0, 0), ("B", 2_000_000, 1500), ("B", 3, 0)]
+    assert pipeline.encode_ops([]).shape == (0, 3)
+
+
 def test_grid_rank_order():
     g = parallel.Grid(tp=2, pp=2, dp=2, rank=5)
     assert (g.pp_rank, g.dp_rank, g.tp_rank) == (1, 0, 1)
