@@ -346,7 +346,8 @@ class Saver:
         run's own count and go: a directory named exactly step_XXXXXXXX whose manifest (its own sha256
         checked) names this run. Another run's checkpoint copied in, a user's step_00000015.bak, one
         whose manifest is damaged: never counted, never deleted."""
-        own = [p for p in sorted(self.dir.glob("step_*")) if STEP_DIR.fullmatch(p.name) and self._owns(p)]
+        own = [p for p in sorted(self.dir.glob("step_*"))  # the newest is ours: it was just written
+               if p == newest or (STEP_DIR.fullmatch(p.name) and self._owns(p))]
         for old in own[:-self.keep]:
             if old != newest:
                 self._delete(old)

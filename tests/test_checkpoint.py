@@ -211,7 +211,7 @@ def test_a_save_reads_nothing_from_the_device_before_the_loop_goes_on(tmp_path):
     s.wait()
     assert [host.calls[i] for i in host.reads] == []  # before: int() of every parameter's step count
     path = tmp_path / "ckpt" / "step_00000001"
-    assert checkpoint.Reader(path, checkpoint.storage.verify(path)).rank_state(0)["extra"]["opt_step"] == 1
+    assert checkpoint.pin(path).rank_state(0)["extra"]["opt_step"] == 1
 
 
 def test_a_save_that_finds_the_last_one_still_writing_is_skipped_not_waited_for(tmp_path, monkeypatch):

@@ -24,6 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+needs_2_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")  # a process group of 2
 
 
 # ----------------------------------------------------------------------------- shared helpers
@@ -416,7 +417,7 @@ def test_fp16_zero3_holds_no_fp16_copy_of_the_weights_on_cuda(gpu_corpus, tmp_pa
     assert held <= 1.1 * 12 * per_layer + root, (held, per_layer, root)
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@needs_2_gpus
 def test_zero3_start_up_on_two_gpus_holds_no_whole_model(gpu_corpus, tmp_path):
     """GPT-2 under ZeRO-3 over two GPUs: what each GPU holds at once during train.setup (the optimizer's
     state and the gradient shards apart) is its weight shard, one unit whole, and a MiB for the rest:
@@ -435,9 +436,6 @@ def test_zero3_start_up_on_two_gpus_holds_no_whole_model(gpu_corpus, tmp_path):
 # ----------------------------------------------------------------------------- NCCL, streams and syncs (issue 31)
 # What only a GPU shows: a dead peer under NCCL, collectives timed on their own stream, steps that never
 # wait for the host, fp16 matmuls. The cases with a process group of 2 need 2 GPUs and skip on one.
-
-needs_2_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-
 
 def torchrun_python(code: str, tmp_path: Path, nproc: int = 2, timeout: float = 600) -> str:
     """`code` as a script under torchrun on `nproc` GPUs, without the interpreter; its stdout."""

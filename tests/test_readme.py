@@ -75,10 +75,12 @@ def skips_in(path: Path) -> list[str]:
 
 
 def test_the_readme_says_which_tests_the_suite_skips():
-    """README: test_gpu.py's tests are the only ones skipped without CUDA, one skip each."""
+    """README: test_gpu.py's tests are the only ones skipped: without CUDA (one mark for the file), and its
+    2-GPU cases on one GPU (one mark, `needs_2_gpus`)."""
     assert "its tests are the only ones the suite skips" in README
     others = [s for f in sorted((ROOT / "tests").glob("test_*.py")) if f.name != "test_gpu.py" for s in skips_in(f)]
     assert others == []
     gpu = (ROOT / "tests" / "test_gpu.py").read_text()
     assert 'pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")' in gpu
-    assert len(skips_in(ROOT / "tests" / "test_gpu.py")) == 1
+    assert 'needs_2_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")' in gpu
+    assert len(skips_in(ROOT / "tests" / "test_gpu.py")) == 2
