@@ -25,19 +25,13 @@ a tensor's name is caught like a flipped bit in its values. A checkpoint that fa
 different setup (another model, tokenizer, batch, precision) is "incompatible", and the run stops.
 Each checkpoint records the id of the run that wrote it, and a run only ever resumes its own.
 
-The write is atomic: files go to `.tmp-step_XXXXXXXX/`, are hashed as they are written and
-fsynced; rank 0 waits for every rank's .json, writes the manifest, renames the directory into
-place and only then moves `latest`. A crash at any instant leaves the previous checkpoint
-intact and `latest` pointing at a complete one. Then the run deletes its own oldest checkpoints
-beyond --keep, and only its own: a step_XXXXXXXX directory whose manifest names this run (a copy
-of another run's checkpoint, a user's step_00000015.bak, are neither counted nor touched).
-
-Reading while a run writes (sample.py on a training run's --out): a reader *pins* what it reads
-(`pin`). It maps every file of the checkpoint, then checks the mapped bytes against the manifest;
-a mapped file stays readable after it is deleted, so the run's cleanup cannot pull a checkpoint
-from under a reader that has it. Cleanup renames a checkpoint out of sight before deleting it, so a
-reader sees all of one or none; one that vanishes while being opened is not "unusable", the reader
-lists the directory again and takes the newer one (`newest`).
+The write is atomic, and cleanup and readers cannot tear a checkpoint (support/storage.py): files go to
+`.tmp-step_XXXXXXXX/`, hashed as they are written and fsynced; rank 0 waits for every rank's .json,
+writes the manifest, renames the directory into place and only then moves `latest`, so a crash at any
+instant leaves a complete one behind. The run deletes its own oldest checkpoints beyond --keep (only its
+own: a manifest that names this run), renaming each out of sight first; a reader (sample.py on a running
+run's --out) *pins* what it reads, mapping every file and checking the mapped bytes, so a cleanup cannot
+pull a checkpoint from under it (`pin`, `newest`).
 
 Saving asynchronously costs the training loop only a copy. On a GPU: a device-to-host copy into
 pinned buffers, issued on a side CUDA stream so that it overlaps the next forward and backward
@@ -54,8 +48,9 @@ the file holds (`shard`: split `dim` into `count` parts, optionally within `grou
 part `index`; `flat`: a range of the flattened slice, for ZeRO), so a checkpoint written by one
 layout can be read by another. The data files are safetensors (a JSON header, then raw bytes), the
 format Hugging Face uses, so any tool can open them. How each byte reaches the disk and is checked
-(atomic writes, safetensors, sha256, the manifest's seal and schema) is storage.py; converting a
-checkpoint to and from a Hugging Face GPT-2 directory is hf.py.
+(atomic writes, safetensors, sha256, the manifest's seal and schema) is storage.py; what a checkpoint
+holds, file by file, is `python -m instruments.checkpoints inspect`; a Hugging Face GPT-2 directory to
+and from it, instruments/hf.py.
 """
 
 import base64
@@ -63,25 +58,21 @@ import json
 import math
 import os
 import random
-import re
-import shutil
 import signal
-import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-import hf
-import storage
 from model import canonical_name
 from shard import take_shard, unshard
-from storage import CheckpointError, CorruptCheckpoint  # raised by storage.py's checks; caught as checkpoint.*
+from support import storage
+from support.storage import CheckpointError, CorruptCheckpoint, Vanished  # raised by storage.py; caught as checkpoint.*
 from zero import ZeroAdamW
 
-STEP_DIR = re.compile(r"step_\d{8}")
 OPT_STEPS = "optimizer steps"  # the host copy of optimizer_steps(opt), among a save's tensors (not written as one)
 
 
@@ -171,6 +162,24 @@ def full_shape(info: dict) -> list[int]:
 # ----------------------------------------------------------------------------- writing
 
 
+@dataclass
+class Write:
+    """One save, from the copy of its tensors to its commit (what the writer thread is handed)."""
+    step: int
+    tmp: Path  # the .tmp- directory it is written into
+    entries: dict  # key -> (tensor, description): tensor_entries
+    host: dict  # key -> this rank's host copy of each tensor (and OPT_STEPS)
+    copied: "torch.cuda.Event | None"  # on a GPU: when the copy into `host` is done
+    rank_state: dict  # the run state and RNG states, for the file's header
+    meta: dict  # what the manifest records (train.checkpoint_meta)
+    crash_mid_save: bool  # fault injection
+    t0: float  # when the save began
+    record: dict = None  # {"step", "bytes", "write_s", "blocking_s"}: what the save cost, once done
+
+    def __post_init__(self):
+        self.record = {"step": self.step}
+
+
 class Saver:
     """Writes checkpoints, synchronously or from a background thread (`asynchronous`). Either way
     `save` returns once the state is copied (on a GPU: once the copy is *issued*; call `fence`
@@ -207,22 +216,21 @@ class Saver:
             busy = False
         grid, tmp = self.grid, self.dir / f".tmp-step_{step:08d}"
         if grid.rank == 0 and not busy:
-            self._fail_cleanly(step, self._prepare_tmp, tmp)
-        if not agree(grid, not busy):  # (a collective: after rank 0 prepared the directory, before any write)
+            self._fail_cleanly(step, storage.prepare, self.dir, tmp, self.run)
+        if not grid.agree(not busy):  # (a collective: after rank 0 prepared the directory, before any write)
             return False
         self.wait()  # finished on this rank: surface its error, if it had one
         entries = tensor_entries(model, opt, grid)
         host = self._to_host({**{key: t for key, (t, _) in entries.items()}, OPT_STEPS: optimizer_steps(opt)})
-        rank_state = {"extra": {**extra, "step": step}, "rng": rng_state(grid.device)}
-        record = {"step": step}  # the writer adds the bytes and seconds, then appends it to `finished`
-        args = (step, tmp, entries, host, self.copied, rank_state, meta, crash_mid_save, record, t0)
+        job = Write(step, tmp, entries, host, self.copied, {"extra": {**extra, "step": step},
+                                                            "rng": rng_state(grid.device)}, meta, crash_mid_save, t0)
         self.writing = step
         if self.asynchronous:
-            self.thread = threading.Thread(target=self._write_catching, args=args, name="ckpt-writer")
+            self.thread = threading.Thread(target=self._write_catching, args=(job,), name="ckpt-writer")
             self.thread.start()
         else:
-            self._fail_cleanly(step, self._write, *args)
-        record["blocking_s"] = time.perf_counter() - t0  # what the training loop paid
+            self._fail_cleanly(step, self._write, job)
+        job.record["blocking_s"] = time.perf_counter() - t0  # what the training loop paid
         return True
 
     def fence(self) -> None:
@@ -243,17 +251,6 @@ class Saver:
     def pop_finished(self) -> list[dict]:
         done, self.finished = self.finished, []
         return done
-
-    def _prepare_tmp(self, tmp: Path) -> None:
-        """Rank 0, before every rank writes: an empty temporary directory, and no leftovers. A
-        crash mid-save leaves a .tmp- directory; a run that fell back from a corrupt checkpoint
-        reaches its step again and replaces it (removed here, before the ranks agree to save, so
-        that no rank mistakes the old directory for the new commit)."""
-        self.dir.mkdir(parents=True, exist_ok=True)
-        for stale in [*self.dir.glob(".tmp-step_*"), *self.dir.glob(".del-step_*")]:  # this process holds
-            shutil.rmtree(stale)  # the lock on --out: nobody else writes
-        self._make_way(self.dir / tmp.name.removeprefix(".tmp-"))
-        tmp.mkdir()
 
     def _fail_cleanly(self, step: int, fn, *args) -> None:
         """A full disk or a read-only directory becomes one CheckpointError line."""
@@ -289,195 +286,55 @@ class Saver:
             self.copied.record(self.stream)
         return host
 
-    def _write_catching(self, step, *args) -> None:
+    def _write_catching(self, job: "Write") -> None:
         try:
-            self._fail_cleanly(step, self._write, step, *args)
+            self._fail_cleanly(job.step, self._write, job)
         except BaseException as e:  # surfaced by the next wait()
             self.error = e
 
-    def _write(self, step, tmp, entries, host, copied, rank_state, meta, crash_mid_save, record, t0) -> None:
-        if copied is not None:
-            copied.synchronize()  # releases the GIL while the GPU finishes the copy
-        g = self.grid
-        rank_state["extra"]["opt_step"] = int(host[OPT_STEPS])  # a host copy by now: no wait for a device
+    def _write(self, job: "Write") -> None:
+        if job.copied is not None:
+            job.copied.synchronize()  # releases the GIL while the GPU finishes the copy
+        g, tmp, entries = self.grid, job.tmp, job.entries
+        job.rank_state["extra"]["opt_step"] = int(job.host[OPT_STEPS])  # a host copy by now: no device wait
         fname = f"rank{g.rank:05d}.safetensors"
-        tensors = {key: host[key] for key in entries}
-        written = storage.write_safetensors(tmp / fname, tensors, {"nanoscale_state": json.dumps(rank_state)})
+        tensors = {key: job.host[key] for key in entries}
+        written = storage.write_safetensors(tmp / fname, tensors, {"nanoscale_state": json.dumps(job.rank_state)})
         info = {"files": {fname: written},
                 "tensors": [{**d, "key": k, "file": fname, "full_shape": full_shape(d),
                              "dtype": str(tensors[k].dtype).removeprefix("torch.")} for k, (_, d) in entries.items()]}
-        if crash_mid_save:  # fault injection: die between the data file and its description
+        if job.crash_mid_save:  # fault injection: die between the data file and its description
             os.kill(os.getpid(), signal.SIGKILL)
         # rank 0 polls for this file, so it appears whole or not at all
         storage.replace_atomically(tmp / f"rank{g.rank:05d}.json", json.dumps(info))
-        final = self.dir / f"step_{step:08d}"
-        if g.rank == 0:
-            self._commit(step, tmp, final, meta)
+        final = self.dir / f"step_{job.step:08d}"
+        if g.rank == 0:  # the manifest, the rename, `latest`, the cleanup beyond --keep
+            storage.commit(tmp, final, {"format": storage.FORMAT, "version": storage.VERSION, "run": self.run,
+                                        "step": job.step, "meta": job.meta, "layout": layout_of(g)},
+                           g.world, self.timeout_s, self.keep)
         else:  # wait() means "complete" on every rank
-            wait_for(lambda: final.exists(), f"rank 0 to commit {final}", self.timeout_s)
-        record.update(bytes=written["bytes"], write_s=time.perf_counter() - t0)
-        self.last = record
-        self.finished.append(record)
-
-    def _commit(self, step: int, tmp: Path, final: Path, meta: dict) -> None:
-        g = self.grid
-        parts = [tmp / f"rank{r:05d}.json" for r in range(g.world)]
-        wait_for(lambda: all(p.exists() for p in parts), f"every rank's shard of step {step}", self.timeout_s)
-        files, tensors = {}, []
-        for p in parts:
-            info = json.loads(p.read_text())
-            files.update(info["files"])
-            tensors += info["tensors"]
-        manifest = storage.seal({"format": storage.FORMAT, "version": storage.VERSION, "run": self.run, "step": step,
-                                 "meta": meta, "layout": layout_of(g), "files": files,
-                                 "tensors": tensors})
-        storage.write_durably(tmp / "manifest.json", json.dumps(manifest, indent=1).encode())
-        storage.fsync_dir(tmp)
-        self._make_way(final)
-        os.rename(tmp, final)
-        storage.fsync_dir(self.dir)
-        if (self.dir / "latest").is_dir():  # junk where the pointer goes (it was reported when read)
-            shutil.rmtree(self.dir / "latest")
-        storage.replace_atomically(self.dir / "latest", final.name)
-        self._prune(final)
-
-    def _prune(self, newest: Path) -> None:
-        """Delete this run's oldest checkpoints beyond --keep, only now that a newer one exists. Only this
-        run's own count and go: a directory named exactly step_XXXXXXXX whose manifest (its own sha256
-        checked) names this run. Another run's checkpoint copied in, a user's step_00000015.bak, one
-        whose manifest is damaged: never counted, never deleted."""
-        own = [p for p in sorted(self.dir.glob("step_*"))  # the newest is ours: it was just written
-               if p == newest or (STEP_DIR.fullmatch(p.name) and self._owns(p))]
-        for old in own[:-self.keep]:
-            if old != newest:
-                self._delete(old)
-
-    def _owns(self, path: Path) -> bool:
-        try:
-            return storage.read_manifest(path)["run"] == self.run
-        except CheckpointError:
-            return False
-
-    def _delete(self, path: Path) -> None:
-        """Out of sight in one step (a rename: readers see the whole checkpoint or none of it), then
-        removed. A reader that pinned it (`pin`) goes on reading the files it mapped."""
-        doomed = self.dir / f".del-{path.name}"
-        shutil.rmtree(doomed, ignore_errors=True)
-        os.rename(path, doomed)
-        shutil.rmtree(doomed, ignore_errors=True)
-
-    def _make_way(self, final: Path) -> None:
-        """Before step N is written where a step_N is: this run's own (a rollback replays its steps) is
-        deleted; anything else is moved aside to step_N.moved-aside-<time>, never deleted."""
-        if final.is_dir() and self._owns(final):
-            self._delete(final)
-        elif final.exists():
-            os.rename(final, final.with_name(f"{final.name}.moved-aside-{time.time_ns()}"))
-
-
-def wait_for(ready, what: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not ready():
-        if time.monotonic() > deadline:
-            raise CheckpointError(f"timed out after {timeout_s:.0f}s (--timeout) waiting for {what}")
-        time.sleep(0.01)
-
+            storage.wait_for(lambda: final.exists(), f"rank 0 to commit {final}", self.timeout_s)
+        job.record.update(bytes=written["bytes"], write_s=time.perf_counter() - job.t0)
+        self.last = job.record
+        self.finished.append(job.record)
 
 # ----------------------------------------------------------------------------- reading
 
 
-def candidates(ckpt_dir: Path, log=print) -> list[Path]:
-    """Checkpoint directories to try, best first: the one `latest` names, then every step_*
-    directory, newest first. An unreadable `latest` is reported and passed over."""
-    ckpt_dir = Path(ckpt_dir)
-    if not ckpt_dir.is_dir():
-        return []
-    found = sorted((p for p in ckpt_dir.glob("step_*") if STEP_DIR.fullmatch(p.name) and p.is_dir()), reverse=True)
-    pointer = ckpt_dir / "latest"
-    try:
-        name = pointer.read_text().strip() if pointer.exists() else None
-    except (OSError, UnicodeDecodeError) as e:
-        log(f"checkpoint pointer {pointer} is unreadable ({e.__class__.__name__}); trying every checkpoint")
-        name = None
-    if name is not None and not STEP_DIR.fullmatch(name):
-        log(f"checkpoint pointer {pointer} holds {name[:40]!r}, not a checkpoint name; trying every checkpoint")
-        name = None
-    if name is not None and (ckpt_dir / name) in found:
-        found = [ckpt_dir / name] + [p for p in found if p.name != name]
-    return found
-
-
-class Vanished(CheckpointError):
-    """Deleted or replaced while it was being opened (a running trainer's cleanup beyond --keep, or a
-    rollback rewriting a step): nothing is wrong with it, so it is not reported as unusable; a reader
-    lists the directory again."""
-
-
-PIN_TRIES = 10  # listings a reader tries when the checkpoints keep vanishing under it
-
-
 def pin(path: Path) -> "Reader":
-    """Open a checkpoint for reading, and check all of it: the manifest (its own sha256 and schema), then
-    every file, mapped first (storage.map_file) and hashed in place, so that what was checked is what the
-    Reader reads. A mapped file stays readable after it is deleted, so once pinned a checkpoint is read
-    whole even if its run deletes it meanwhile. One that disappears or changes while it is being opened
-    raises Vanished."""
-    path, manifest = Path(path), None
-    try:
-        manifest = storage.read_manifest(path)
-        raw = {name: _map(path / name) for name in manifest["files"]}
-        for name, want in manifest["files"].items():
-            storage.verify_mapped(raw[name], want, path / name)
-    except CheckpointError:
-        if not _unchanged(path, manifest):
-            raise Vanished(f"{path} was deleted or replaced while it was being read") from None
-        raise
-    return Reader(path, manifest, raw)
-
-
-def _map(file: Path):
-    try:
-        return storage.map_file(file)
-    except FileNotFoundError:
-        raise CorruptCheckpoint(f"{file} is missing") from None
-    except OSError as e:
-        raise CorruptCheckpoint(f"{file} is unreadable ({e.strerror or e})") from None
-
-
-def _unchanged(path: Path, manifest: dict | None) -> bool:
-    """Is the checkpoint at `path` still the one whose manifest was read (none read: is it still there)?"""
-    if manifest is None:
-        return path.is_dir()
-    try:
-        return storage.read_manifest(path)["sha256"] == manifest["sha256"]
-    except CheckpointError:
-        return False
+    """A checkpoint opened for reading, every byte checked first (storage.pin: what is checked is what is
+    read, even if the run that wrote it deletes it meanwhile)."""
+    return Reader(Path(path), *storage.pin(path))
 
 
 def newest(ckpt_dir: Path, log=print) -> "Reader | None":
-    """The newest checkpoint that verifies, pinned; each unusable one is reported by name. When one
-    vanishes while being opened (its run saves every step with --keep 1, say) the directory is listed
-    again: a newer one is there."""
-    for _ in range(PIN_TRIES):
-        try:
-            return _first_usable(candidates(ckpt_dir, log), log)
-        except Vanished:
-            continue
-    raise CheckpointError(f"the checkpoints in {ckpt_dir} were deleted or replaced {PIN_TRIES} times while being "
-                          "opened (a run saving very often with a small --keep?); try again")
-
-
-def _first_usable(paths: list[Path], log) -> "Reader | None":
-    for path in paths:
-        try:
-            return pin(path)
-        except CorruptCheckpoint as e:  # not Vanished: that one goes up, to list the directory again
-            log(f"checkpoint unusable, trying an older one: {e}")
-    return None
+    """The newest checkpoint in ckpt_dir that verifies, pinned (storage.newest says which)."""
+    found = storage.newest(ckpt_dir, log)
+    return Reader(*found) if found else None
 
 
 def latest(ckpt_dir: Path, log=print) -> Path | None:
-    """The path of the newest checkpoint that verifies (`newest`)."""
+    """The path of the newest checkpoint that verifies."""
     reader = newest(ckpt_dir, log)
     return reader.path if reader else None
 
@@ -598,22 +455,13 @@ def load_optimizer(opt, model, moments: dict, steps: int) -> None:
     opt.load_state_dict({"state": state, "param_groups": opt.state_dict()["param_groups"]})
 
 
-def agree(grid, ok: bool) -> bool:
-    """True when every rank says ok: all ranks must pick the same checkpoint."""
-    if grid.world == 1:
-        return ok
-    flag = torch.tensor([0.0 if ok else 1.0], device=grid.device)
-    grid.all_reduce(flag, "world")
-    return flag.item() == 0
-
-
 def restore(ckpt_dir: Path, model, opt, grid, meta: dict, run: str, log=print,
             allowed: tuple = ()) -> tuple[Path, dict, dict] | None:
     """Load the newest usable checkpoint of run `run` into the model and optimizer: (its path, its run
     state, its manifest), or None when the directory holds none. Unusable ones are reported and passed over, an
     incompatible one (`meta` differs, but for the `allowed` keys) stops the run, and when checkpoints
     exist but none is usable the run stops rather than silently starting again from step 0."""
-    tried = candidates(ckpt_dir, log)
+    tried = storage.candidates(ckpt_dir, log)
     for path in tried:
         try:
             reader = pin(path)  # this run holds --out's lock: nothing deletes it meanwhile
@@ -625,7 +473,7 @@ def restore(ckpt_dir: Path, model, opt, grid, meta: dict, run: str, log=print,
         except (CorruptCheckpoint, Vanished) as e:
             log(f"checkpoint unusable, trying an older one: {e}")
             ok = False
-        if agree(grid, ok):
+        if grid.agree(ok):
             return path, extra, manifest
     if not tried:
         return None
@@ -655,89 +503,3 @@ def local_part(full: torch.Tensor, p: torch.Tensor, dtype: torch.dtype | None = 
         raise CorruptCheckpoint(f"checkpoint tensor of shape {tuple(part.shape)} does not fit a parameter "
                                 f"of shape {tuple(p.shape)}")
     return part.to(device=device or p.device, dtype=dtype or p.dtype)
-
-
-# ----------------------------------------------------------------------------- command line
-
-
-def inspect(path: Path) -> tuple[str, bool]:
-    """A report of a checkpoint: the manifest's own check, every file's check, every tensor; and
-    whether all of it verified."""
-    try:
-        manifest = storage.read_manifest(path)
-    except CorruptCheckpoint as e:
-        return f"{path}: BROKEN manifest: {e}", False
-    broken = []
-    lines = [f"{path}: step {manifest['step']} of run {manifest['run']}, layout {manifest['layout']}",
-             f"tokenizer {manifest['meta'].get('tokenizer')}, model {manifest['meta'].get('model')}", "",
-             f"  manifest.json     ok: its own sha256 {manifest['sha256'][:16]}... and schema check"]
-    for name, info in manifest["files"].items():
-        try:
-            storage.verify_file(path / name, info)
-            status = f"ok: sha256 {info['sha256'][:16]}..."
-        except CorruptCheckpoint as e:
-            broken.append(name)
-            status = f"BROKEN: {e}"
-        lines.append(f"  {name:<22} {info['bytes'] / 1e6:9.2f} MB  {status}")
-    lines.append(f"  all {len(manifest['files'])} files verified" if not broken else
-                 f"  {len(broken)} of {len(manifest['files'])} files BROKEN: {', '.join(broken)}")
-    lines.append("")
-    lines.append(f"  {'tensor':<44} {'full shape':<16} {'dtype':<9} {'file':<22} slice")
-    for e in manifest["tensors"]:
-        spec = e["shard"]
-        where = "whole" if spec is None else f"dim {spec['dim']} part {spec['index'] + 1}/{spec['count']}"
-        if e["flat"]:
-            where += f", elements [{e['flat'][0]}, {e['flat'][1]})"
-        lines.append(f"  {e['name']:<44} {str(tuple(e['full_shape'])):<16} {e['dtype']:<9} {e['file']:<22} {where}")
-    return "\n".join(lines), not broken
-
-
-def main(argv=None) -> None:
-    import argparse
-    p = argparse.ArgumentParser(description="Inspect, consolidate and export nanoscale checkpoints.")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    sp = sub.add_parser("inspect", help="verify a checkpoint (manifest and files) and print what it holds")
-    sp.add_argument("path", help="a step_XXXXXXXX directory, or a ckpt/ directory (uses latest)")
-    sp = sub.add_parser("consolidate", help="write the full model (any layout) to one torch file")
-    sp.add_argument("path", help="a step_XXXXXXXX directory, or a ckpt/ directory (uses latest)")
-    sp.add_argument("file", help="output .pt file: {parameter name: full fp32 tensor}")
-    sp = sub.add_parser("export-hf", help="write a Hugging Face GPT2LMHeadModel directory")
-    sp.add_argument("path", help="a step_XXXXXXXX directory, or a ckpt/ directory (uses latest)")
-    sp.add_argument("dir", help="output directory (config.json + model.safetensors)")
-    args = p.parse_args(argv)
-    try:
-        path = find_checkpoint(args.path)
-        if args.cmd == "inspect":
-            text, ok = inspect(path)
-            print(text)
-            if not ok:
-                raise CorruptCheckpoint(f"{path} is unusable (see above)")
-        elif args.cmd == "consolidate":
-            weights = consolidate(path)
-            torch.save(weights, args.file)
-            print(f"wrote {len(weights)} tensors ({sum(t.numel() for t in weights.values()):,} parameters) "
-                  f"from {path} to {args.file}")
-        else:
-            reader = pin(path)
-            hf.export_hf(consolidate(reader), reader.manifest, Path(args.dir))
-            print(f"wrote a Hugging Face GPT-2 model from {path} to {args.dir}")
-    except CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-
-
-def find_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory, or the one `latest` points to in a ckpt/ directory."""
-    path = Path(path)
-    if (path / "latest").is_file():
-        try:
-            return path / (path / "latest").read_text().strip()
-        except (OSError, UnicodeDecodeError):
-            raise CheckpointError(f"{path / 'latest'} is unreadable; name a step_XXXXXXXX directory instead") from None
-    if not (path / "manifest.json").exists():
-        raise CheckpointError(f"{path} is neither a checkpoint nor a ckpt/ directory with a `latest` pointer")
-    return path
-
-
-if __name__ == "__main__":
-    main()

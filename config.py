@@ -15,24 +15,21 @@ import math
 import os
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-import cli
-import data
-import formulas
-import hf
 import kernels
 import model as gpt
 import parallel
 import pipeline
 import stability
-import tokenizer
-from cli import arg, at_least
+from support import cli, tokenizer
+from support.cli import arg, at_least
+from support.sources import SOURCE_HELP
 
-CACHE_DIR = str(data.DEFAULT_CACHE_DIR)  # (inside the class, `data` is the field)
-DATA_HELP = "corpus: " + data.SOURCE_HELP
+CACHE_DIR = str(tokenizer.DEFAULT_CACHE_DIR)
+DATA_HELP = "corpus: " + SOURCE_HELP
+STATS_EVERY = 10  # --stats-every's default (a run without instruments/ takes it as "none asked for")
 CRASH_AT = re.compile(r"(rank:\d+:)?(step|save):\d+")
 MAX_TIMEOUT_S = 1e9  # torch.distributed keeps its timeout in a timedelta (at most ~8.6e13 s): 1e300 overflows
 MAX_SAMPLE_TOKENS = 100_000  # drawn one at a time at every evaluation: more is a mistake, not a sample
@@ -133,8 +130,9 @@ class TrainConfig:
                             "smaller)", at_least(1))
     sample_tokens: int = arg(96, "tokens to sample at each evaluation (0: none; sample.py draws longer texts)",
                              (lambda v: 0 <= v <= MAX_SAMPLE_TOKENS, f"must be in [0, {MAX_SAMPLE_TOKENS}]"))
-    stats_every: int = arg(10, "per-layer gradient norms, update/weight ratios and activation RMS at step 1 and "
-                           "every N steps, to metrics.jsonl and the dashboard (0: off; stats.py)", at_least(0))
+    stats_every: int = arg(STATS_EVERY, "per-layer gradient norms, update/weight ratios and activation RMS at step "
+                           "1 and every N steps, to metrics.jsonl and the dashboard (0: off; instruments/stats.py)",
+                           at_least(0))
     print_grid: bool = arg(False, "print the process grid at start-up")
     print_schedule: bool = arg(False, "print the pipeline schedule the stages ran on the first step")
     print_timeline: bool = arg(False, "print every rank's compute and collectives of the second step on one time "
@@ -165,15 +163,28 @@ class ConfigError(ValueError):
     """A flag combination that cannot work; printed as one line."""
 
 
+# The flags that ask for an instrument (instruments/): a copy without that folder refuses them.
+INSTRUMENT_FLAGS = {"comm_report": "--comm-report", "memory_report": "--memory-report",
+                    "print_schedule": "--print-schedule", "print_timeline": "--print-timeline",
+                    "init_from": "--init-from"}
+
+
+def asking_for_instruments(cfg: TrainConfig) -> list[str]:
+    """The flags of `cfg` that need instruments/ (--stats-every too, unless 0 or its default)."""
+    asked = [flag for name, flag in INSTRUMENT_FLAGS.items() if getattr(cfg, name)]
+    return asked + ([f"--stats-every {cfg.stats_every}"] if cfg.stats_every not in (0, STATS_EVERY) else [])
+
+
 # ----------------------------------------------------------------------------- defaults by device
 
 
-def resolve_defaults(cfg: TrainConfig, device: torch.device, bf16_ok: bool = True) -> TrainConfig:
+def resolve_defaults(cfg: TrainConfig, device: torch.device, bf16_ok: bool = True,
+                     arch: dict | None = None) -> TrainConfig:
     """Fill the 'auto' / 0 defaults that need no data, and check that the flags make sense together,
-    before any slow work. (--max-steps and what depends on it wait for the data: `resolve_steps`.)"""
+    before any slow work. (--max-steps and what depends on it wait for the data: `resolve_steps`.)
+    `arch`: under --init-from, the GPTConfig fields of that model (instruments/hf.py reads them)."""
     cuda = device.type == "cuda"
     if cfg.init_from:
-        arch = hf.hf_config(Path(cfg.init_from))
         block, n_head, n_embd = arch["block_size"], arch["n_head"], arch["n_embd"]
         cfg.preset = f"Hugging Face ({cfg.init_from})"
     else:
@@ -288,15 +299,14 @@ def check_batch(cfg: TrainConfig, grid: parallel.Grid) -> int:
 VOCAB_SIZES = {t.name: t.vocab_size for t in (tokenizer.ByteTokenizer, tokenizer.GPT2Tokenizer)}
 
 
-def model_config(cfg: TrainConfig) -> gpt.GPTConfig:
-    """The architecture: a preset, or the config.json of the Hugging Face model to start from. It needs
-    only the tokenizer's name, not its file, so a layout that cannot split it fails before any data."""
+def model_config(cfg: TrainConfig, arch: dict | None = None) -> gpt.GPTConfig:
+    """The architecture: a preset, or (--init-from) `arch`, the Hugging Face model's. It needs only the
+    tokenizer's name, not its file, so a layout that cannot split it fails before any data."""
     vocab = VOCAB_SIZES[cfg.tokenizer]
     if not cfg.init_from:
         shape = {k: v for k, v in (("n_layer", cfg.n_layer), ("block_size", cfg.block_size)) if v}
         return gpt.config_from_preset(cfg.preset, vocab, dropout=cfg.dropout, attn=cfg.attn,
                                       recompute=cfg.recompute, **shape)
-    arch = hf.hf_config(Path(cfg.init_from))
     if arch["vocab_size"] != vocab:
         raise ConfigError(f"{cfg.init_from} has a vocabulary of {arch['vocab_size']} tokens but the {cfg.tokenizer} "
                           f"tokenizer has {vocab}; use the tokenizer the model was trained with")
@@ -307,14 +317,15 @@ def check_size(cfg: TrainConfig, model_cfg: gpt.GPTConfig, grid: parallel.Grid) 
     """Refuse a model that cannot fit, in one line, before it is built (--n-layer 100000 would spend
     minutes building, then fail; --block-size 10**21 overflows a tensor's size). What is counted is a
     floor: AdamW's fp32 state (weights, gradients, two moments: 16 bytes a parameter) split over tensor
-    and pipeline ranks and as ZeRO shards it, plus the activations one micro-batch saves (the flash path
-    in 2-byte elements, formulas.activation_bytes). On a CPU the processes of a node share its memory."""
+    and pipeline ranks and as ZeRO shards it, plus what every layer saves for its backward at the least,
+    its input (all --recompute full keeps), in 2-byte elements. On a CPU the processes of a node share its
+    memory."""
     n = gpt.n_params(model_cfg)
     local, dp, z = n / (grid.tp * grid.pp), grid.dp, cfg.zero
     state = local * (4 / (dp if z >= 3 else 1) + 4 / (dp if z >= 2 else 1) + 8 / (dp if z >= 1 else 1))
     layers = -(-model_cfg.n_layer // grid.pp)
-    act = formulas.activation_bytes(cfg.seq_len // grid.cp, cfg.micro_batch_size, model_cfg.n_embd, model_cfg.n_head,
-                                    grid.tp, grid.sp, cfg.recompute, "flash", 2, 1, cfg.dropout) * layers
+    tokens = cfg.seq_len // grid.cp * cfg.micro_batch_size // (grid.tp if grid.sp else 1)
+    act = 2 * tokens * model_cfg.n_embd * layers
     if grid.device.type == "cuda":
         memory, where, sharing = torch.cuda.get_device_properties(grid.device).total_memory, "GPU", 1
     else:

@@ -57,7 +57,8 @@ import torch.nn as nn
 
 from kernels import flash_backward, flash_forward, launch_config, unpack_qkv
 from model import Attention
-from parallel import Grid, peer_call
+from parallel import Grid
+from support.interrupt import peer_call
 
 KV, DKV = 1, 2  # message tags: keys/values and their gradients may cross between the same two ranks at once
 
@@ -274,7 +275,10 @@ class RingAttention(nn.Module):
         super().__init__()
         self.grid, self.backend, self.local = grid, backend, Attention(backend)
 
-    def forward(self, qkv):  # (train.compile_model keeps it out of the compiled graph)
+    # Messages inside autograd Functions do not compile: under torch.compile this core runs eagerly,
+    # between two graphs of its block (as the Ulysses core does).
+    @torch.compiler.disable
+    def forward(self, qkv):  # (B, T/cp, 3, H, D)
         if not self.grid.cp_on:
             return self.local(qkv)
         return RingAttentionFn.apply(qkv, self.grid, self.backend == "triton")
@@ -314,6 +318,7 @@ class UlyssesAttention(nn.Module):
         super().__init__()
         self.grid, self.backend, self.local = grid, backend, Attention(backend)
 
+    @torch.compiler.disable  # eager between two graphs of a compiled block, as the ring core
     def forward(self, qkv):  # (B, T/cp, 3, H, D)
         if not self.grid.cp_on:
             return self.local(qkv)

@@ -58,13 +58,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-import cli
-import dedup
-import scan
-import sources
-import tokenizer
-from sources import SOURCE_HELP
-from tokenizer import DEFAULT_CACHE_DIR, DataError  # data.DataError is the one error callers catch
+from support import cli, dedup, scan, sources, tokenizer
+from support.sources import SOURCE_HELP
+from support.tokenizer import DEFAULT_CACHE_DIR, DataError  # data.DataError is the one error callers catch
 
 if TYPE_CHECKING:  # torch is imported where batches are made: preparation workers never load it
     import torch

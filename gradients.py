@@ -34,7 +34,8 @@ from collections import deque
 
 import torch
 
-from parallel import Grid, peer_call
+from parallel import Grid
+from support.interrupt import peer_call
 
 IN_FLIGHT = 2  # ZeRO-2/3: whole-bucket buffers still being reduce-scattered before the backward waits
 

@@ -20,9 +20,9 @@ Three things here exist for the rest of the codebase:
 2. Seams for parallelism. The forward is `embed -> blocks -> head -> loss`, blocks are
    run in whatever order `transformer.h` holds them, and attention infers its number of heads
    from the projection's width. The loss and the gathering of logits for sampling are layers
-   too (`loss`, `gather_vocab`), so parallel.py swaps layers and drops blocks, and pipeline.py
-   passes `generate` its own `next_logits`; neither needs a second copy of this file, and no
-   method is replaced at run time.
+   too (`loss`, `gather_vocab`), so shard.py swaps layers (context.py's attention cores among them)
+   and drops blocks, and pipeline.py passes `generate` its own `next_logits`; none needs a second
+   copy of this file, and no method is replaced at run time.
 3. The vocabulary is padded to a multiple of 128 (50257 -> 50304) so the embedding splits
    evenly across tensor-parallel ranks and its matmuls hit fast shapes. The padded logits are
    masked out when sampling.
@@ -92,6 +92,11 @@ def config_from_preset(name: str, vocab_size: int, **overrides) -> GPTConfig:
 
 
 # ----------------------------------------------------------------------------- the layers
+
+
+def in_backward() -> bool:
+    """Is autograd running a backward on this thread right now? (A recomputed forward runs inside one.)"""
+    return torch._C._current_graph_task_id() != -1
 
 
 class Recompute(torch.autograd.Function):
@@ -235,7 +240,7 @@ class GPT(nn.Module):
         ))
         self.lm_head = nn.Linear(cfg.n_embd, cfg.padded_vocab, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # weight tying, as in GPT-2
-        self.loss = CrossEntropy()  # parallel.py swaps in the vocab-parallel loss
+        self.loss = CrossEntropy()  # shard.py swaps in the vocab-parallel loss
         self.gather_vocab = nn.Identity()  # ...and an all-gather of the vocab shards, for sampling
 
     # The forward in three seams, so a pipeline stage can run only its part.
@@ -369,7 +374,7 @@ def materialize(model: GPT, seed: int, device: torch.device | str = "cpu", shard
                 else:
                     value = placeholder(param.shape, torch.float32, device)
                 done[id(param)] = nn.Parameter(value, requires_grad=param.requires_grad)
-                done[id(param)].__dict__.update(param.__dict__)  # keep tags such as parallel.py's `shard`
+                done[id(param)].__dict__.update(param.__dict__)  # keep tags such as shard.py's `shard`
             setattr(module, pname, done[id(param)])
     return model
 

@@ -1,4 +1,4 @@
-"""Parallelism from raw torch.distributed primitives: how ranks are arranged, and how a layer is split.
+"""Parallelism from raw torch.distributed primitives: how ranks are arranged, and how they talk.
 
 The process grid. `world = dp * cp * tp * pp` ranks, numbered so that tensor-parallel ranks are
 adjacent (they exchange the most data, so they should share a node), then context parallel
@@ -17,9 +17,16 @@ group with context parallel").
 
 `Grid` owns this arithmetic, and every layout fact: the degrees, this rank's coordinates, its
 pipeline neighbours, whether the sequence is sharded (`sp`, `cp`), which replica of a tensor counts.
-Nothing else computes ranks. Every collective goes through it too, so it can count the bytes; a
-point-to-point message goes over its own group (the pipeline's, the cp ring's), which on NCCL is its
-own communicator and stream, so a ring's messages overlap a pipeline's.
+Nothing else computes ranks. Every collective goes through it too, in one wrapper that counts the
+bytes (`Traffic`: --comm-report holds them to the papers' formulas); a point-to-point message goes over
+its own group (the pipeline's, the cp ring's), which on NCCL is its own communicator and stream, so a
+ring's messages overlap a pipeline's.
+
+The instruments' seam. `Observer` is a class of methods that do nothing, called at named points of a
+step: by Grid's wrapper around each collective, and by the loop (train.py) at the step's begin and end,
+after the gradients, after the update, around each compute span and after each checkpoint. The
+instruments (instruments/: the timeline, per-layer statistics, the reports, the dashboard) subclass it;
+a run attaches them to `Grid.observer` only when its flags ask for them, and nothing here imports one.
 
 When a peer fails. gloo's calls return when the data has moved, and raise when a peer is gone or
 --timeout passes: `peer_call` makes that one PeerError line (train.py: exit status 3). NCCL's calls
@@ -28,28 +35,24 @@ outlived --timeout and aborts its communicator (`connect` tells it not to end th
 the loop's one wait for the device per step, `Grid.wait_for_device`, is bounded and reads what the
 watchdog found, for the same PeerError.
 
-This file also holds Megatron's tensor (and sequence) parallel layers; shard.py builds a rank's part
-of the model with them. The other parallel questions live beside it:
-pipeline.py (schedules and the executor), gradients.py (data-parallel averaging, ZeRO, the
-gradient norm) and formulas.py (what the papers predict, measured against what ran).
+The other parallel questions live beside it: shard.py (Megatron's tensor-parallel layers, and a
+rank's part of the model), context.py (a sequence split over ranks), pipeline.py (schedules and the
+executor), gradients.py and zero.py (data-parallel averaging, ZeRO, the gradient norm).
 """
 
+import contextlib
 import itertools
 import os
-import re
-import time
+import pickle
 import weakref
 from collections import defaultdict
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-import model as gpt
-import timeline
-from lmhead import lm_head_loss
+from support.interrupt import peer_call, wait_until
 
 # How much longer than --timeout the step's sync point waits on NCCL (Grid.wait_for_device): time for the
 # watchdog, which ends a collective at --timeout, to notice it and abort its communicator
@@ -63,39 +66,6 @@ class LayoutError(ValueError):
     """An impossible parallel layout; raised before any work, printed as one line."""
 
 
-class PeerError(RuntimeError):
-    """A collective failed: a peer died, hung past --timeout, or the network broke. `where`: this rank and
-    the call it was in (a group names its ranks: the peer that failed is among them); `detail`: the
-    backend's own words, one line."""
-
-    def __init__(self, where: str, detail: str):
-        super().__init__(f"{where}: {detail}")
-        self.where, self.detail = where, detail
-
-
-def peer_call(fn, *args, what: str = "a collective", **kwargs):
-    """Run a torch.distributed call; turn its failure into one PeerError line."""
-    try:
-        return fn(*args, **kwargs)
-    except RuntimeError as e:
-        line = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
-        line = re.sub(r"^\[[^\]]*:\d+\]\s*", "", line)  # gloo's source location, "[.../pair.cc:537] "
-        rank = f"rank {dist.get_rank()}, " if dist.is_initialized() else ""
-        raise PeerError(f"{rank}in {what}", line.split(". This is typically caused")[0][:300]) from e
-
-
-def wait_until(ready, timeout_s: float, where: str, failure=lambda: None, poll_s: float = 1e-3) -> None:
-    """Poll ready() until it is true. A PeerError as soon as failure() has something to say (what the backend
-    reports), or once timeout_s has passed without either: a bounded wait where the plain one could hang."""
-    deadline = time.monotonic() + timeout_s
-    while not ready():
-        if (problem := failure()) or time.monotonic() > deadline:
-            raise PeerError(where, problem or f"not done after {timeout_s:g} s (--timeout): a peer died or hangs")
-        time.sleep(poll_s)
-    if problem := failure():  # a failed collective can let the device pass it, with garbage in its buffer
-        raise PeerError(where, problem)
-
-
 # Every Grid, by its key: the tensor-parallel operator (tp_collective) takes a grid as a number, since an
 # operator's arguments are tensors and plain values. Weak: a grid nothing else holds goes away.
 GRIDS: "weakref.WeakValueDictionary[int, Grid]" = weakref.WeakValueDictionary()
@@ -104,25 +74,58 @@ _GRID_KEYS = itertools.count()
 
 class Traffic:
     """Calls and bytes per (collective, group) since the last reset. Bytes are the size of the full
-    buffer (all-reduce input, all-gather output, reduce-scatter input, p2p message). Each call is also
-    timed, launch to completion (timeline.py: the dashboard's seconds per collective, --print-timeline)."""
+    buffer (all-reduce input, all-gather output, reduce-scatter input, each message sent)."""
 
     def __init__(self):
         self.counts = defaultdict(lambda: [0, 0])
-        self.time = timeline.Recorder(torch.device("cpu"))  # init_grid gives it the run's device
 
-    def add(self, op: str, group: str, nbytes: int, members: tuple[int, ...]) -> timeline.Comm | None:
+    def add(self, op: str, group: str, nbytes: int) -> None:
         self.counts[(op, group)][0] += 1
         self.counts[(op, group)][1] += nbytes
-        return self.time.launch(op, group, members, nbytes)
 
     def reset(self) -> None:
         self.counts.clear()
-        self.time.reset()
 
-    def seconds(self) -> dict[str, float]:
-        """{"all_reduce dp": seconds, ...}: launch to completion, summed over this step's calls."""
-        return self.time.seconds()
+
+class Observer:
+    """What the core tells the instruments, and when: each method does nothing here, and an instrument
+    (instruments/) overrides the ones it needs. The run holds one, `Grid.observer` (several instruments
+    share it through a fan-out); the core never reads anything back from it, so a run without instruments
+    trains exactly as one with them.
+
+        resumed(manifest)       the run goes on from a checkpoint (its manifest: the flags and layout it had)
+        step_begin(step)        before step `step` (1, 2, ...) draws its batch
+        span(name)              around the compute of a step: "F" forward, "B" backward, "O" optimizer
+        collective(...)         around each collective: start() launches it and returns its handle
+        after_grads()           the gradients are reduced and unscaled, not yet clipped
+        after_update(updated)   the optimizer has stepped (updated) or skipped; gradients still there
+        step_end(row)           the step's numbers, before they are written: an instrument adds its own
+        step_written(row)       the step's line is in metrics.jsonl (a checkpoint of the step may follow)
+        saved(record)           a checkpoint is complete: its step, bytes and what it cost the loop
+        run_end(status)         the loop is over: "finished", "stopped" (a signal) or "failed" (an error)
+    """
+
+    def resumed(self, manifest: dict) -> None: ...
+
+    def step_begin(self, step: int) -> None: ...
+
+    def span(self, name: str):
+        return contextlib.nullcontext()
+
+    def collective(self, op: str, group: str, members: tuple[int, ...], nbytes: int, start):
+        return start()
+
+    def after_grads(self) -> None: ...
+
+    def after_update(self, updated: bool) -> None: ...
+
+    def step_end(self, row: dict) -> None: ...
+
+    def step_written(self, row: dict) -> None: ...
+
+    def saved(self, record: dict) -> None: ...
+
+    def run_end(self, status: str) -> None: ...
 
 
 @dataclass
@@ -139,7 +142,8 @@ class Grid:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     groups: dict = field(default_factory=dict)  # "tp" / "dp" / "pp" / "embed" -> this rank's group
     members: dict = field(default_factory=lambda: defaultdict(tuple))  # the same names -> its global ranks
-    traffic: "Traffic" = field(default_factory=lambda: Traffic())
+    traffic: Traffic = field(default_factory=Traffic)  # this step's bytes, counted (--comm-report)
+    observer: Observer = field(default_factory=Observer)  # the instruments, when a run attaches them
     timeout_s: float = 300.0  # --timeout: how long a collective may wait for a peer (connect sets it)
     key: int = field(init=False, repr=False, compare=False)  # names this grid to the tp_collective operator
 
@@ -230,7 +234,7 @@ class Grid:
         sharded_tp = getattr(p, "shard", None) is not None
         return (self.dp_cp_rank == 0 or not replicated_over_dp) and (sharded_tp or self.tp_rank == 0)
 
-    @contextmanager
+    @contextlib.contextmanager
     def whole_sequence(self):
         """Sequence and context parallelism off for a while: sampling feeds one token at a time, which
         cannot be split along the sequence. The layers read `sp_on` / `cp_on` on every call."""
@@ -244,14 +248,6 @@ class Grid:
     def is_logger(self) -> bool:
         """Rank 0 prints, draws the progress bar and writes files."""
         return self.rank == 0
-
-    def log(self, msg: str) -> None:
-        if self.is_logger:
-            print(msg, flush=True)
-
-    def span(self, name: str):
-        """Time a compute span for --print-timeline ('F', 'B', 'O'); nothing when no step is recorded."""
-        return self.traffic.time.span(name)
 
     def barrier(self) -> None:
         if self.world > 1:
@@ -279,22 +275,21 @@ class Grid:
                 return f"NCCL reports {error.name} in {self.describe('a collective', name)}"
         return None
 
+    def agree(self, ok: bool) -> bool:
+        """True when every rank says ok (one small all-reduce): for what all ranks must decide alike."""
+        if self.world == 1:
+            return ok
+        flag = torch.tensor([0.0 if ok else 1.0], device=self.device)
+        self.all_reduce(flag, "world")
+        return flag.item() == 0
+
     def rank0_first(self, fn):
         """Run fn on rank 0, then on the others (e.g. prepare data once, then read the cache)."""
         result = fn() if self.rank == 0 else None
         self.barrier()
         return result if self.rank == 0 else fn()
 
-    def global_loss(self, x: torch.Tensor) -> torch.Tensor:
-        """The batch loss on every rank: it lives on the last pipeline stage (the others hold 0, so a
-        sum over the pipeline group copies it), and is averaged over data-parallel ranks and over
-        context-parallel ones (each holds the mean over its slice of the tokens; the slices are equal)."""
-        x = x.detach().float().clone()
-        self.all_reduce(x, "pp")
-        self.all_reduce(x, "dp_cp")
-        return x / self.dp_cp
-
-    # Every collective in the codebase goes through these methods, which count the bytes.
+    # Every collective in the codebase goes through these methods, and each through `collective`.
     def size(self, group: str) -> int:
         return {"tp": self.tp, "dp": self.dp, "pp": self.pp, "cp": self.cp, "dp_cp": self.dp_cp,
                 "world": self.world, "embed": 2 if self.pp > 1 else 1}[group]
@@ -309,62 +304,72 @@ class Grid:
         ranks = ", ".join(map(str, m)) if len(m) <= 8 else f"{m[0]}, {m[1]}, … {m[-1]}: {len(m)} ranks"
         return f"{op} over {self.label(group)} (ranks {ranks})"
 
+    def collective(self, name: str, group: str, nbytes: int, call, *args, **kwargs):
+        """The one wrapper: count the call's bytes, let the observer see it, make it (a failure is a
+        PeerError line). Returns the call's handle (async_op) or None."""
+        self.traffic.add(name, self.label(group), nbytes)
+        start = lambda: peer_call(call, *args, group=self.groups.get(group), what=self.describe(name, group), **kwargs)
+        return self.observer.collective(name, self.label(group), self.members[group], nbytes, start)
+
     def all_reduce(self, t: torch.Tensor, group: str, op=dist.ReduceOp.SUM, async_op: bool = False):
         if self.size(group) == 1:
             return None
-        comm = self.traffic.add("all_reduce", self.label(group), t.numel() * t.element_size(), self.members[group])
-        return self.traffic.time.track(comm, peer_call(dist.all_reduce, t, op=op, group=self.groups.get(group),
-                                                       async_op=async_op, what=self.describe("all_reduce", group)))
+        return self.collective("all_reduce", group, t.numel() * t.element_size(), dist.all_reduce, t, op=op,
+                               async_op=async_op)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group: str, async_op: bool = False):
         """out = concat over the group's ranks of inp, along dim 0."""
         if self.size(group) == 1:
             out.copy_(inp)
             return None
-        comm = self.traffic.add("all_gather", self.label(group), out.numel() * out.element_size(), self.members[group])
-        return self.traffic.time.track(comm, peer_call(all_gather_single, out, inp, group=self.groups.get(group),
-                                                       async_op=async_op, what=self.describe("all_gather", group)))
+        return self.collective("all_gather", group, out.numel() * out.element_size(), all_gather_single, out, inp,
+                               async_op=async_op)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group: str, async_op: bool = False):
         """out = this rank's dim-0 slice of the sum over the group of inp."""
         if self.size(group) == 1:
             out.copy_(inp)
             return None
-        comm = self.traffic.add("reduce_scatter", self.label(group), inp.numel() * inp.element_size(),
-                                self.members[group])
-        return self.traffic.time.track(comm, peer_call(reduce_scatter_single, out, inp, group=self.groups.get(group),
-                                                       async_op=async_op, what=self.describe("reduce_scatter", group)))
+        return self.collective("reduce_scatter", group, inp.numel() * inp.element_size(), reduce_scatter_single, out,
+                               inp, async_op=async_op)
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, group: str) -> None:
         """out[r] = what rank r of the group sent this rank: its inp[this rank] (equal pieces along dim 0)."""
         if self.size(group) == 1:
             out.copy_(inp)
             return
-        comm = self.traffic.add("all_to_all", self.label(group), inp.numel() * inp.element_size(), self.members[group])
-        self.traffic.time.track(comm, peer_call(dist.all_to_all_single, out, inp, group=self.groups.get(group),
-                                                  what=self.describe("all_to_all", group)))
+        self.collective("all_to_all", group, inp.numel() * inp.element_size(), dist.all_to_all_single, out, inp)
+
+    def gather_objects(self, obj) -> list:
+        """Every rank's `obj` (any picklable value, counted by its pickled size), in rank order, on every
+        rank: what a report gathers to rank 0 once, after a step."""
+        if self.world == 1:
+            return [obj]
+        out = [None] * self.world
+        self.collective("all_gather_object", "world", len(pickle.dumps(obj)), dist.all_gather_object, out, obj)
+        return out
 
     def send_recv(self, sends: list[tuple], recvs: list[tuple], group: str = "pp", wait: bool = True):
         """Point-to-point, posted together so that paired sends and receives cannot deadlock. Each item
         is (tensor, peer rank) or (tensor, peer, tag): two messages between the same pair in one batch
         need different tags. With wait=False the transfers run on while the caller computes; it gets
-        the list of pending works and must wait on each before touching the tensors."""
+        the list of pending works and must wait on each before touching the tensors. Each message sent
+        is counted ("send"); the observer sees the batch as one "p2p" among its peers."""
         sends = [(t.contiguous(), *rest) for t, *rest in sends]
         pg = self.groups.get(group)  # the group's own communicator (on NCCL, its own stream): rings and
         ops = [dist.P2POp(dist.isend, t, peer, group=pg, tag=tag[0] if tag else 0)  # pipelines overlap
                for t, peer, *tag in sends]
         ops += [dist.P2POp(dist.irecv, t, peer, group=pg, tag=tag[0] if tag else 0) for t, peer, *tag in recvs]
         for t, *_ in sends:
-            self.traffic.counts[("send", self.label(group))][0] += 1
-            self.traffic.counts[("send", self.label(group))][1] += t.numel() * t.element_size()
+            self.traffic.add("send", self.label(group), t.numel() * t.element_size())
         if not ops:
             return []
         peers = tuple(sorted({self.rank, *(peer for _, peer, *_ in sends + recvs)}))
-        comm = self.traffic.time.launch("p2p", self.label(group), peers, sum(t.numel() * t.element_size()
-                                                                              for t, *_ in sends))
         what = f"point-to-point with rank{'s' if len(peers) > 2 else ''} " + ", ".join(
             str(r) for r in peers if r != self.rank)
-        works = [self.traffic.time.track(comm, work) for work in peer_call(dist.batch_isend_irecv, ops, what=what)]
+        works = self.observer.collective("p2p", self.label(group), peers, sum(t.numel() * t.element_size()
+                                                                              for t, *_ in sends),
+                                         lambda: peer_call(dist.batch_isend_irecv, ops, what=what))
         if not wait:
             return works
         for work in works:
@@ -405,10 +410,8 @@ def layout(tp: int, pp: int, device: torch.device, sp: bool = False, cp: int = 1
                           f"multiple of {tp * cp * pp} processes or change --tp/--cp/--pp")
     if device.type == "cuda" and device.index is None:  # an index was settled by config.pick_device
         device = local_gpu()
-    grid = Grid(tp=tp, pp=pp, cp=cp, dp=world // (tp * pp * cp), rank=rank, sp=sp, cp_attn=cp_attn, vp=vp,
+    return Grid(tp=tp, pp=pp, cp=cp, dp=world // (tp * pp * cp), rank=rank, sp=sp, cp_attn=cp_attn, vp=vp,
                 device=device)
-    grid.traffic.time = timeline.Recorder(device)
-    return grid
 
 
 def connect(grid: Grid, timeout_s: float = 300) -> None:
@@ -471,260 +474,3 @@ def local_gpu() -> torch.device:
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-# ----------------------------------------------------------------------------- tensor parallel
-#
-# Megatron-LM (Shoeybi et al. 2019, section 3): split the first matmul of a pair by columns and
-# the second by rows, and the pair needs one all-reduce forward and one backward.
-#
-#     X ─f─▶ [X A_1 | X A_2] ─gelu─▶ [Y_1 | Y_2] ─▶ Y_1 B_1 + Y_2 B_2 ─g─▶ Z
-#            column-parallel (A split by output)    row-parallel (B split by input)
-#
-#     f: forward identity, backward all-reduce     g: forward all-reduce, backward identity
-#
-# Sequence parallelism (Korthikanti et al. 2022, section 4.2.2) cuts the LayerNorm/dropout regions
-# between the pairs along the sequence: f becomes an all-gather of the sequence, g a
-# reduce-scatter of it; the same bytes move, but those activations take 1/tp of the memory.
-#
-# Each of these is one collective forward and its conjugate backward (the conjugate of an
-# all-gather is a reduce-scatter, of an all-reduce the identity), so one autograd Function does
-# them all; the named functions below say which pair.
-
-
-def identity(x: torch.Tensor, grid: Grid) -> torch.Tensor:
-    return x
-
-
-def all_reduce_tp(x: torch.Tensor, grid: Grid) -> torch.Tensor:
-    x = x.contiguous().clone()  # never reduce into a tensor autograd still needs
-    grid.all_reduce(x, "tp")
-    return x
-
-
-def gather_seq(x: torch.Tensor, grid: Grid) -> torch.Tensor:
-    """(B, T/tp, C) from each rank -> (B, T, C) on every rank."""
-    out = seq_major(x, x.size(1) * grid.tp)
-    grid.all_gather(out.transpose(0, 1), x.transpose(0, 1).contiguous(), "tp")  # collectives concatenate dim 0
-    return out
-
-
-def reduce_scatter_seq(x: torch.Tensor, grid: Grid) -> torch.Tensor:
-    """(B, T, C) partial sums on each rank -> this rank's (B, T/tp, C) slice of the sum."""
-    out = seq_major(x, x.size(1) // grid.tp)
-    grid.reduce_scatter(out.transpose(0, 1), x.transpose(0, 1).contiguous(), "tp")
-    return out
-
-
-def split_seq(x: torch.Tensor, grid: Grid) -> torch.Tensor:
-    """(B, T, C), the same on every rank -> this rank's (B, T/tp, C) slice; no communication."""
-    if x.size(1) % grid.tp:
-        raise LayoutError(f"--sp needs the sequence length ({x.size(1)}) divisible by --tp {grid.tp}")
-    return x.chunk(grid.tp, dim=1)[grid.tp_rank].clone(memory_format=torch.contiguous_format)
-
-
-def seq_major(x: torch.Tensor, T: int) -> torch.Tensor:
-    """A new (B, T, C) laid out as (T, B, C): what the sequence collectives fill, along dim 0."""
-    return x.new_empty((T, x.size(0), *x.shape[2:])).transpose(0, 1)
-
-
-class Conjugate(torch.autograd.Function):
-    """y = forward(x); dL/dx = backward(dL/dy): a collective and the one its gradient needs."""
-
-    @staticmethod
-    def forward(ctx, x, grid, forward, backward):
-        ctx.grid, ctx.backward = grid, backward
-        return collective(forward, x, grid)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return collective(ctx.backward, grad, ctx.grid), None, None, None
-
-
-def copy_to_tp(x, grid):  # Megatron's f: x is replicated; its gradient is a sum over the ranks
-    return Conjugate.apply(x, grid, identity, all_reduce_tp)
-
-
-def reduce_from_tp(x, grid):  # Megatron's g: partial sums become the output; the gradient is replicated
-    return Conjugate.apply(x, grid, all_reduce_tp, identity)
-
-
-def gather_from_sp(x, grid):  # sequence-parallel f: all-gather the sequence; reduce-scatter back
-    return Conjugate.apply(x, grid, gather_seq, reduce_scatter_seq)
-
-
-def scatter_to_sp(x, grid):  # sequence-parallel g: reduce-scatter partial sums; all-gather back
-    return Conjugate.apply(x, grid, reduce_scatter_seq, gather_seq)
-
-
-def split_to_sp(x, grid):  # into the sequence-parallel region: keep this rank's slice; all-gather back
-    return Conjugate.apply(x, grid, split_seq, gather_seq)
-
-
-# torch.compile and the collectives. Traced, the collectives' Python (Grid's counting and timing, the
-# process group) would cut every block into several graphs. So each runs as one operator, tp_collective
-# (a torch.library custom op, as kernels.py's attention is): the compiler sees a call with known output
-# shapes and keeps the block one graph; the call runs the Python above at run time, every time, so Grid
-# counts and times each collective, compiled or not.
-
-TP_COLLECTIVES = {fn.__name__: fn for fn in (all_reduce_tp, gather_seq, reduce_scatter_seq, split_seq)}
-
-
-def collective(fn, x: torch.Tensor, grid: Grid) -> torch.Tensor:
-    """fn(x, grid), through tp_collective."""
-    if fn is identity:
-        return x.view_as(x)  # autograd wants a new tensor, even from the identity
-    return tp_collective(x, grid.key, fn.__name__)
-
-
-@torch.library.custom_op("nanoscale::tp_collective", mutates_args=())
-def tp_collective(x: torch.Tensor, grid: int, name: str) -> torch.Tensor:
-    """TP_COLLECTIVES[name](x, the grid with this key)."""
-    return TP_COLLECTIVES[name](x, GRIDS[grid])
-
-
-@tp_collective.register_fake
-def _tp_collective_fake(x, grid, name):  # the output each makes: shape and layout, no data
-    tp = GRIDS[grid].tp
-    if name == "all_reduce_tp":
-        return x.new_empty(x.shape)
-    if name == "split_seq":
-        return x.new_empty((x.size(0), x.size(1) // tp, *x.shape[2:]))
-    return seq_major(x, x.size(1) * tp if name == "gather_seq" else x.size(1) // tp)
-
-
-class SplitSeq(torch.nn.Module):
-    """After the embedding: enter the sequence-parallel region (when the grid has one)."""
-
-    def __init__(self, grid: Grid):
-        super().__init__()
-        self.grid = grid
-
-    def forward(self, x):
-        return split_to_sp(x, self.grid) if self.grid.sp_on else x
-
-
-def shard_spec(grid: Grid, dim: int, groups: int = 1) -> dict:
-    """Which slice of the full tensor this rank holds: split `dim` into `groups` blocks (q, k, v
-    for the fused projection) and keep part `index` of `count` from each."""
-    return {"dim": dim, "index": grid.tp_rank, "count": grid.tp, "groups": groups}
-
-
-def meta_param(*shape, spec: dict | None = None, **attrs) -> torch.nn.Parameter:
-    p = torch.nn.Parameter(torch.empty(*shape, device="meta"))
-    p.shard = spec
-    p.__dict__.update(attrs)
-    return p
-
-
-class ColumnParallelLinear(torch.nn.Module):
-    """y = x A^T + b with A split by output features: each rank computes its own columns of y.
-    `groups` > 1 splits each of that many blocks of outputs (q, k and v) separately, so every
-    rank gets whole heads of each."""
-
-    def __init__(self, in_features: int, out_features: int, grid: Grid, bias: bool = True, groups: int = 1):
-        super().__init__()
-        self.grid = grid
-        spec = shard_spec(grid, 0, groups)
-        self.weight = meta_param(out_features // grid.tp, in_features, spec=spec)
-        self.bias = meta_param(out_features // grid.tp, spec=spec) if bias else None
-
-    def forward(self, x):
-        x = gather_from_sp(x, self.grid) if self.grid.sp_on else copy_to_tp(x, self.grid)
-        return torch.nn.functional.linear(x, self.weight, self.bias)  # (B, T, out / tp)
-
-
-class RowParallelLinear(torch.nn.Module):
-    """y = x A^T + b with A split by input features: each rank holds a slice of x's features and
-    produces a partial sum of y; g sums them. The bias is replicated and added once, after."""
-
-    def __init__(self, in_features: int, out_features: int, grid: Grid):
-        super().__init__()
-        self.grid = grid
-        self.weight = meta_param(out_features, in_features // grid.tp, spec=shard_spec(grid, 1))
-        self.bias = meta_param(out_features, sequence_parallel=grid.sp)
-
-    def forward(self, x):
-        y = torch.nn.functional.linear(x, self.weight)  # (B, T, out), a partial sum
-        y = scatter_to_sp(y, self.grid) if self.grid.sp_on else reduce_from_tp(y, self.grid)
-        return y + self.bias
-
-
-class VocabParallelEmbedding(torch.nn.Module):
-    """Rank r holds rows [r V/tp, (r+1) V/tp) of the table. Each rank looks up the tokens it owns,
-    writes zeros for the rest, and g sums the ranks' partial embeddings."""
-
-    def __init__(self, vocab: int, dim: int, grid: Grid):
-        super().__init__()
-        self.grid = grid
-        self.weight = meta_param(vocab // grid.tp, dim, spec=shard_spec(grid, 0))
-
-    @property
-    def vocab_start(self) -> int:
-        return self.grid.tp_rank * self.weight.size(0)
-
-    def forward(self, idx):
-        local = idx - self.vocab_start
-        outside = (local < 0) | (local >= self.weight.size(0))
-        out = torch.nn.functional.embedding(local.masked_fill(outside, 0), self.weight)  # (B, T, C)
-        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tp(out, self.grid)
-
-
-class VocabParallelLoss(torch.nn.Module):
-    """The model's loss layer under tensor parallelism (model.CrossEntropy on one device). Rank r
-    holds rows [vocab_start, vocab_start + V/tp) of the output layer and computes only those logits,
-    a chunk of rows at a time (lmhead.lm_head_loss). The loss never gathers them (Megatron, section 3):
-
-        m   = max over all ranks of the logits          (all-reduce MAX, B*T floats)
-        S   = sum over all ranks of exp(logit - m)      (all-reduce SUM of S and z_t
-        z_t = the target's logit - m, from its owner     together, 2 B*T floats)
-        loss = log S - z_t;   d loss / d logits = softmax - onehot(target)
-
-    Its input enters the tensor-parallel region like any column-parallel layer's: f (or the
-    sequence all-gather under --sp), so the partial input gradients of the ranks are summed."""
-
-    def __init__(self, grid: Grid, vocab_start: int):
-        super().__init__()
-        self.grid, self.vocab_start = grid, vocab_start
-
-    def forward(self, x, weight, targets):
-        x = gather_from_sp(x, self.grid) if self.grid.sp_on else copy_to_tp(x, self.grid)
-        return lm_head_loss(x, weight, targets, self.vocab_start, self.reduce)
-
-    def reduce(self, t: torch.Tensor, op: str) -> None:
-        self.grid.all_reduce(t, "tp", op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
-
-
-class GatherVocab(torch.nn.Module):
-    """(B, V/tp) vocab shards -> (B, V) on every rank, for sampling (nn.Identity on one device)."""
-
-    def __init__(self, grid: Grid):
-        super().__init__()
-        self.grid = grid
-
-    def forward(self, x):
-        out = x.new_empty((self.grid.tp * x.size(0), *x.shape[1:]))  # (tp * B, V/tp): ranks stacked on dim 0
-        self.grid.all_gather(out, x.contiguous(), "tp")
-        return torch.cat(out.chunk(self.grid.tp), dim=-1)
-
-
-def apply_tensor_parallel(model: gpt.GPT, grid: Grid) -> None:
-    """Swap a meta-built GPT's layers for their tensor-parallel versions, in place."""
-    cfg = model.config
-    C, V = cfg.n_embd, cfg.padded_vocab
-    for block in model.transformer.h:
-        block.attn.c_attn = ColumnParallelLinear(C, 3 * C, grid, groups=3)  # whole heads of q, k, v
-        block.attn.c_proj = RowParallelLinear(C, C, grid)
-        block.mlp.c_fc = ColumnParallelLinear(C, 4 * C, grid)
-        block.mlp.c_proj = RowParallelLinear(4 * C, C, grid)
-    model.transformer.wte = VocabParallelEmbedding(V, C, grid)
-    model.lm_head = ColumnParallelLinear(C, V, grid, bias=False)
-    model.lm_head.weight = model.transformer.wte.weight  # still tied: both hold vocab rows of rank r
-    model.transformer.drop = torch.nn.Sequential(SplitSeq(grid), model.transformer.drop)
-    if grid.sp:  # LayerNorms now see only their slice of the sequence: their gradients are partial sums
-        for name, p in model.named_parameters():
-            if ".ln_" in name or "ln_f" in name:
-                p.sequence_parallel = True
-    model.loss = VocabParallelLoss(grid, model.transformer.wte.vocab_start)
-    model.gather_vocab = GatherVocab(grid)

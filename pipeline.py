@@ -119,6 +119,21 @@ def bubble_formula(p: int, m: int, v: int = 1) -> float:
     return (p - 1) / (v * m + p - 1)
 
 
+BUBBLE_WARNING = 0.3  # train.py warns when the pipeline would idle more than this share of a step
+
+
+def bubble_warning(p: int, m: int, v: int = 1) -> str | None:
+    """The line train.py logs when a pipeline would idle more than BUBBLE_WARNING of each step: fewer
+    than about 2.3 (p-1)/v micro-batches. m >= 4 p, the rule of thumb of lessons 09 and 10, keeps the
+    bubble under 20%."""
+    if p == 1 or (bubble := bubble_formula(p, m, v)) <= BUBBLE_WARNING:
+        return None
+    formula = "(p-1)/(v*m+p-1)" if v > 1 else "(p-1)/(m+p-1)"
+    return (f"warning: {m} micro-batches for {p} stages: the pipeline idles {bubble:.0%} of each step "
+            f"(bubble {formula}, over {BUBBLE_WARNING:.0%}); use more micro-batches (a smaller "
+            "--micro-batch-size or a larger --batch-size)")
+
+
 def draw_schedule(stage_ops: list[list[Op]]) -> str:
     """The pipeline as text: one row per stage, one column per time slot, '.' where it idles.
     Interleaved, a letter names the chunk: F3a is micro-batch 3 through chunk 0, F3b through chunk 1."""
@@ -305,7 +320,7 @@ class Pipeline:
     def forward(self, op: Op, x: torch.Tensor | None, state: RunState) -> torch.Tensor:
         """Micro-batch op[1] through this stage; returns the activation for the stage after."""
         (which, first, last), i, model = self.place(op), op[1], self.model
-        with self.grid.span("F"), torch.set_grad_enabled(state.train), state.autocast:
+        with self.grid.observer.span("F"), torch.set_grad_enabled(state.train), state.autocast:
             x = model.embed(state.micro[i][:, :-1]) if first else x.requires_grad_(state.train)
             y = model.blocks(x, which=which)
             if last:
@@ -324,32 +339,13 @@ class Pipeline:
             # Reduce a gradient during its last accumulation only: the backward of the last micro-batch,
             # the last op of every schedule (interleaved: the last op of each chunk).
             self.grad_sync.require_backward_grad_sync = i == len(state.micro) - 1
-        with self.grid.span("B"):
+        with self.grid.observer.span("B"):
             if last:
                 (y * state.scale).backward()
             else:
                 y.backward(grad)
         return None if first else x.grad  # (the first stage's input is the embedding's output, no leaf)
 
-    def all_stage_ops(self) -> list[list[tuple[str, int, int]]]:
-        """Every stage's ops of the last run, (kind, micro, chunk), gathered over the pipeline group."""
-        mine = encode_ops(self.ops_run).to(self.grid.device)  # (n, 3): every stage ran as many
-        every = mine.new_empty((self.grid.pp, *mine.shape))
-        self.grid.all_gather(every.view(-1), mine.view(-1), "pp")
-        return [decode_ops(rows) for rows in every]
-
-
-KINDS = ("F", "B")  # an op's kind as a number: its index here
-
-
-def encode_ops(ops: list[Op]) -> torch.Tensor:
-    """Ops as a (n, 3) integer tensor, a collective's payload: a row (kind, micro, chunk) per op."""
-    return torch.tensor([(KINDS.index(k), i, c) for k, i, c in map(op_parts, ops)], dtype=torch.long).view(-1, 3)
-
-
-def decode_ops(rows: torch.Tensor) -> list[tuple[str, int, int]]:
-    """encode_ops undone: (kind, micro, chunk) per row."""
-    return [(KINDS[k], i, c) for k, i, c in rows.tolist()]
 
 
 # ----------------------------------------------------------------------------- interleaving: v chunks per rank

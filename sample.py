@@ -54,17 +54,15 @@ from pathlib import Path
 import torch
 
 import checkpoint
-import cli
 import config
-import hf
 import kernels
 import model as gpt
 import parallel
 import pipeline
 import shard
 import stability
-import tokenizer
-from cli import arg, at_least
+from support import cli, interrupt, storage, tokenizer
+from support.cli import arg, at_least
 
 
 @dataclass
@@ -116,7 +114,7 @@ class Source:
     def load_into(self, model: torch.nn.Module) -> None:
         """Copy this rank's slice of every parameter (a pipeline stage has only its own)."""
         if self.reader is None:
-            hf.load_hf(model, self.path)
+            hugging_face().load_hf(model, self.path)
             return
         full = checkpoint.consolidate(self.reader)
         with torch.no_grad():
@@ -144,7 +142,7 @@ def find_source(cfg: SampleConfig, log) -> Source:
         raise checkpoint.CheckpointError(f"{path}: {'not a directory' if path.exists() else 'no such directory'}; "
                                          "--ckpt takes a run directory (train.py's --out), a ckpt/ directory, a "
                                          "step_XXXXXXXX checkpoint or a Hugging Face GPT-2 directory")
-    if not checkpoint.candidates(path, log=lambda msg: None):  # newest() below reports what it finds
+    if not storage.candidates(path, log=lambda msg: None):  # newest() below reports what it finds
         raise checkpoint.CheckpointError(f"{path} holds no checkpoint (a run saves one at its end and every "
                                          "--ckpt-every steps)")
     found = checkpoint.newest(path, log)  # pinned: a training run's cleanup can no longer take it away
@@ -166,9 +164,9 @@ def checkpoint_source(reader: checkpoint.Reader) -> Source:
 def hf_source(path: Path) -> Source:
     if not (path / "config.json").is_file():
         raise checkpoint.CheckpointError(f"{path}: no config.json; --hf takes a Hugging Face GPT-2 model directory")
-    arch = hf.hf_config(path)  # a CheckpointError line when config.json is unreadable or not GPT-2's
+    arch = hugging_face().hf_config(path)  # a CheckpointError line when config.json is unreadable or not GPT-2's
     identity = json.loads((path / "config.json").read_text()).get("nanoscale", {}).get("tokenizer")
-    if identity is not None:  # exported by checkpoint.py: it says which tokenizer
+    if identity is not None:  # exported by instruments/hf.py: it says which tokenizer
         tok = tokenizer_for(identity, None, path)
     elif arch["vocab_size"] == tokenizer.GPT2Tokenizer.vocab_size:  # OpenAI's GPT-2, or a model like it
         tok = tokenizer.get_tokenizer("gpt2")
@@ -177,6 +175,19 @@ def hf_source(path: Path) -> Source:
                                          f"({tokenizer.GPT2Tokenizer.vocab_size}), and config.json does not name "
                                          "the tokenizer")
     return Source(path, arch, tok, f"{path} (Hugging Face GPT-2)")
+
+
+def hugging_face():
+    """instruments/hf.py, which reads a Hugging Face directory (a fork without instruments/ samples from
+    checkpoints only)."""
+    try:
+        from instruments import hf
+    except ModuleNotFoundError as e:
+        if e.name not in ("instruments", "instruments.hf"):
+            raise
+        raise checkpoint.CheckpointError("reading a Hugging Face directory needs instruments/hf.py, and this copy "
+                                         "has no instruments/ folder") from None
+    return hf
 
 
 def tokenizer_for(identity: str, cache_dir: str | None, path: Path) -> tokenizer.Tokenizer:
@@ -299,7 +310,7 @@ def main(argv=None) -> None:
     except (checkpoint.CheckpointError, config.ConfigError, parallel.LayoutError, tokenizer.DataError,
             SampleError) as e:
         cli.stop_every_rank(str(e))  # every rank reads the same flags and files: said once
-    except parallel.PeerError as e:
+    except interrupt.PeerError as e:
         print(f"error: {e.where}: a peer process failed or timed out ({e.detail})", file=sys.stderr)
         sys.exit(3)
     finally:

@@ -14,10 +14,271 @@ layouts. `check_layout` refuses what cannot be split, before anything is built.
 """
 
 import torch
+import torch.distributed as dist
 
 import context
 import model as gpt
-from parallel import Grid, LayoutError, apply_tensor_parallel, meta_param
+from lmhead import lm_head_loss
+from parallel import GRIDS, Grid, LayoutError
+
+# ----------------------------------------------------------------------------- tensor parallel
+#
+# Megatron-LM (Shoeybi et al. 2019, section 3): split the first matmul of a pair by columns and
+# the second by rows, and the pair needs one all-reduce forward and one backward.
+#
+#     X ─f─▶ [X A_1 | X A_2] ─gelu─▶ [Y_1 | Y_2] ─▶ Y_1 B_1 + Y_2 B_2 ─g─▶ Z
+#            column-parallel (A split by output)    row-parallel (B split by input)
+#
+#     f: forward identity, backward all-reduce     g: forward all-reduce, backward identity
+#
+# Sequence parallelism (Korthikanti et al. 2022, section 4.2.2) cuts the LayerNorm/dropout regions
+# between the pairs along the sequence: f becomes an all-gather of the sequence, g a
+# reduce-scatter of it; the same bytes move, but those activations take 1/tp of the memory.
+#
+# Each of these is one collective forward and its conjugate backward (the conjugate of an
+# all-gather is a reduce-scatter, of an all-reduce the identity), so one autograd Function does
+# them all; the named functions below say which pair.
+
+
+def identity(x: torch.Tensor, grid: Grid) -> torch.Tensor:
+    return x
+
+
+def all_reduce_tp(x: torch.Tensor, grid: Grid) -> torch.Tensor:
+    x = x.contiguous().clone()  # never reduce into a tensor autograd still needs
+    grid.all_reduce(x, "tp")
+    return x
+
+
+def gather_seq(x: torch.Tensor, grid: Grid) -> torch.Tensor:
+    """(B, T/tp, C) from each rank -> (B, T, C) on every rank."""
+    out = seq_major(x, x.size(1) * grid.tp)
+    grid.all_gather(out.transpose(0, 1), x.transpose(0, 1).contiguous(), "tp")  # collectives concatenate dim 0
+    return out
+
+
+def reduce_scatter_seq(x: torch.Tensor, grid: Grid) -> torch.Tensor:
+    """(B, T, C) partial sums on each rank -> this rank's (B, T/tp, C) slice of the sum."""
+    out = seq_major(x, x.size(1) // grid.tp)
+    grid.reduce_scatter(out.transpose(0, 1), x.transpose(0, 1).contiguous(), "tp")
+    return out
+
+
+def split_seq(x: torch.Tensor, grid: Grid) -> torch.Tensor:
+    """(B, T, C), the same on every rank -> this rank's (B, T/tp, C) slice; no communication."""
+    if x.size(1) % grid.tp:
+        raise LayoutError(f"--sp needs the sequence length ({x.size(1)}) divisible by --tp {grid.tp}")
+    return x.chunk(grid.tp, dim=1)[grid.tp_rank].clone(memory_format=torch.contiguous_format)
+
+
+def seq_major(x: torch.Tensor, T: int) -> torch.Tensor:
+    """A new (B, T, C) laid out as (T, B, C): what the sequence collectives fill, along dim 0."""
+    return x.new_empty((T, x.size(0), *x.shape[2:])).transpose(0, 1)
+
+
+class Conjugate(torch.autograd.Function):
+    """y = forward(x); dL/dx = backward(dL/dy): a collective and the one its gradient needs."""
+
+    @staticmethod
+    def forward(ctx, x, grid, forward, backward):
+        ctx.grid, ctx.backward = grid, backward
+        return collective(forward, x, grid)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return collective(ctx.backward, grad, ctx.grid), None, None, None
+
+
+def copy_to_tp(x, grid):  # Megatron's f: x is replicated; its gradient is a sum over the ranks
+    return Conjugate.apply(x, grid, identity, all_reduce_tp)
+
+
+def reduce_from_tp(x, grid):  # Megatron's g: partial sums become the output; the gradient is replicated
+    return Conjugate.apply(x, grid, all_reduce_tp, identity)
+
+
+def gather_from_sp(x, grid):  # sequence-parallel f: all-gather the sequence; reduce-scatter back
+    return Conjugate.apply(x, grid, gather_seq, reduce_scatter_seq)
+
+
+def scatter_to_sp(x, grid):  # sequence-parallel g: reduce-scatter partial sums; all-gather back
+    return Conjugate.apply(x, grid, reduce_scatter_seq, gather_seq)
+
+
+def split_to_sp(x, grid):  # into the sequence-parallel region: keep this rank's slice; all-gather back
+    return Conjugate.apply(x, grid, split_seq, gather_seq)
+
+
+# torch.compile and the collectives. Traced, the collectives' Python (Grid's counting and timing, the
+# process group) would cut every block into several graphs. So each runs as one operator, tp_collective
+# (a torch.library custom op, as kernels.py's attention is): the compiler sees a call with known output
+# shapes and keeps the block one graph; the call runs the Python above at run time, every time, so Grid
+# counts and times each collective, compiled or not.
+
+TP_COLLECTIVES = {fn.__name__: fn for fn in (all_reduce_tp, gather_seq, reduce_scatter_seq, split_seq)}
+
+
+def collective(fn, x: torch.Tensor, grid: Grid) -> torch.Tensor:
+    """fn(x, grid), through tp_collective."""
+    if fn is identity:
+        return x.view_as(x)  # autograd wants a new tensor, even from the identity
+    return tp_collective(x, grid.key, fn.__name__)
+
+
+@torch.library.custom_op("nanoscale::tp_collective", mutates_args=())
+def tp_collective(x: torch.Tensor, grid: int, name: str) -> torch.Tensor:
+    """TP_COLLECTIVES[name](x, the grid with this key)."""
+    return TP_COLLECTIVES[name](x, GRIDS[grid])
+
+
+@tp_collective.register_fake
+def _tp_collective_fake(x, grid, name):  # the output each makes: shape and layout, no data
+    tp = GRIDS[grid].tp
+    if name == "all_reduce_tp":
+        return x.new_empty(x.shape)
+    if name == "split_seq":
+        return x.new_empty((x.size(0), x.size(1) // tp, *x.shape[2:]))
+    return seq_major(x, x.size(1) * tp if name == "gather_seq" else x.size(1) // tp)
+
+
+class SplitSeq(torch.nn.Module):
+    """After the embedding: enter the sequence-parallel region (when the grid has one)."""
+
+    def __init__(self, grid: Grid):
+        super().__init__()
+        self.grid = grid
+
+    def forward(self, x):
+        return split_to_sp(x, self.grid) if self.grid.sp_on else x
+
+
+def shard_spec(grid: Grid, dim: int, groups: int = 1) -> dict:
+    """Which slice of the full tensor this rank holds: split `dim` into `groups` blocks (q, k, v
+    for the fused projection) and keep part `index` of `count` from each."""
+    return {"dim": dim, "index": grid.tp_rank, "count": grid.tp, "groups": groups}
+
+
+def meta_param(*shape, spec: dict | None = None, **attrs) -> torch.nn.Parameter:
+    p = torch.nn.Parameter(torch.empty(*shape, device="meta"))
+    p.shard = spec
+    p.__dict__.update(attrs)
+    return p
+
+
+class ColumnParallelLinear(torch.nn.Module):
+    """y = x A^T + b with A split by output features: each rank computes its own columns of y.
+    `groups` > 1 splits each of that many blocks of outputs (q, k and v) separately, so every
+    rank gets whole heads of each."""
+
+    def __init__(self, in_features: int, out_features: int, grid: Grid, bias: bool = True, groups: int = 1):
+        super().__init__()
+        self.grid = grid
+        spec = shard_spec(grid, 0, groups)
+        self.weight = meta_param(out_features // grid.tp, in_features, spec=spec)
+        self.bias = meta_param(out_features // grid.tp, spec=spec) if bias else None
+
+    def forward(self, x):
+        x = gather_from_sp(x, self.grid) if self.grid.sp_on else copy_to_tp(x, self.grid)
+        return torch.nn.functional.linear(x, self.weight, self.bias)  # (B, T, out / tp)
+
+
+class RowParallelLinear(torch.nn.Module):
+    """y = x A^T + b with A split by input features: each rank holds a slice of x's features and
+    produces a partial sum of y; g sums them. The bias is replicated and added once, after."""
+
+    def __init__(self, in_features: int, out_features: int, grid: Grid):
+        super().__init__()
+        self.grid = grid
+        self.weight = meta_param(out_features, in_features // grid.tp, spec=shard_spec(grid, 1))
+        self.bias = meta_param(out_features, sequence_parallel=grid.sp)
+
+    def forward(self, x):
+        y = torch.nn.functional.linear(x, self.weight)  # (B, T, out), a partial sum
+        y = scatter_to_sp(y, self.grid) if self.grid.sp_on else reduce_from_tp(y, self.grid)
+        return y + self.bias
+
+
+class VocabParallelEmbedding(torch.nn.Module):
+    """Rank r holds rows [r V/tp, (r+1) V/tp) of the table. Each rank looks up the tokens it owns,
+    writes zeros for the rest, and g sums the ranks' partial embeddings."""
+
+    def __init__(self, vocab: int, dim: int, grid: Grid):
+        super().__init__()
+        self.grid = grid
+        self.weight = meta_param(vocab // grid.tp, dim, spec=shard_spec(grid, 0))
+
+    @property
+    def vocab_start(self) -> int:
+        return self.grid.tp_rank * self.weight.size(0)
+
+    def forward(self, idx):
+        local = idx - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.size(0))
+        out = torch.nn.functional.embedding(local.masked_fill(outside, 0), self.weight)  # (B, T, C)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tp(out, self.grid)
+
+
+class VocabParallelLoss(torch.nn.Module):
+    """The model's loss layer under tensor parallelism (model.CrossEntropy on one device). Rank r
+    holds rows [vocab_start, vocab_start + V/tp) of the output layer and computes only those logits,
+    a chunk of rows at a time (lmhead.lm_head_loss). The loss never gathers them (Megatron, section 3):
+
+        m   = max over all ranks of the logits          (all-reduce MAX, B*T floats)
+        S   = sum over all ranks of exp(logit - m)      (all-reduce SUM of S and z_t
+        z_t = the target's logit - m, from its owner     together, 2 B*T floats)
+        loss = log S - z_t;   d loss / d logits = softmax - onehot(target)
+
+    Its input enters the tensor-parallel region like any column-parallel layer's: f (or the
+    sequence all-gather under --sp), so the partial input gradients of the ranks are summed."""
+
+    def __init__(self, grid: Grid, vocab_start: int):
+        super().__init__()
+        self.grid, self.vocab_start = grid, vocab_start
+
+    def forward(self, x, weight, targets):
+        x = gather_from_sp(x, self.grid) if self.grid.sp_on else copy_to_tp(x, self.grid)
+        return lm_head_loss(x, weight, targets, self.vocab_start, self.reduce)
+
+    def reduce(self, t: torch.Tensor, op: str) -> None:
+        self.grid.all_reduce(t, "tp", op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+
+
+class GatherVocab(torch.nn.Module):
+    """(B, V/tp) vocab shards -> (B, V) on every rank, for sampling (nn.Identity on one device)."""
+
+    def __init__(self, grid: Grid):
+        super().__init__()
+        self.grid = grid
+
+    def forward(self, x):
+        out = x.new_empty((self.grid.tp * x.size(0), *x.shape[1:]))  # (tp * B, V/tp): ranks stacked on dim 0
+        self.grid.all_gather(out, x.contiguous(), "tp")
+        return torch.cat(out.chunk(self.grid.tp), dim=-1)
+
+
+def apply_tensor_parallel(model: gpt.GPT, grid: Grid) -> None:
+    """Swap a meta-built GPT's layers for their tensor-parallel versions, in place."""
+    cfg = model.config
+    C, V = cfg.n_embd, cfg.padded_vocab
+    for block in model.transformer.h:
+        block.attn.c_attn = ColumnParallelLinear(C, 3 * C, grid, groups=3)  # whole heads of q, k, v
+        block.attn.c_proj = RowParallelLinear(C, C, grid)
+        block.mlp.c_fc = ColumnParallelLinear(C, 4 * C, grid)
+        block.mlp.c_proj = RowParallelLinear(4 * C, C, grid)
+    model.transformer.wte = VocabParallelEmbedding(V, C, grid)
+    model.lm_head = ColumnParallelLinear(C, V, grid, bias=False)
+    model.lm_head.weight = model.transformer.wte.weight  # still tied: both hold vocab rows of rank r
+    model.transformer.drop = torch.nn.Sequential(SplitSeq(grid), model.transformer.drop)
+    if grid.sp:  # LayerNorms now see only their slice of the sequence: their gradients are partial sums
+        for name, p in model.named_parameters():
+            if ".ln_" in name or "ln_f" in name:
+                p.sequence_parallel = True
+    model.loss = VocabParallelLoss(grid, model.transformer.wte.vocab_start)
+    model.gather_vocab = GatherVocab(grid)
+
+
+# ----------------------------------------------------------------------------- building a rank's model
 
 
 def check_layout(cfg: gpt.GPTConfig, grid: Grid, seq_len: int) -> None:

@@ -40,14 +40,15 @@ embedding again. Two gathers per forward and backward, like every other unit: 1.
 """
 
 import time
+from dataclasses import dataclass
 
 import torch
 
 from gradients import Bucket, GradSync
-from model import placeholder
-from parallel import Grid, peer_call
+from model import in_backward, placeholder
+from support.interrupt import peer_call
 
-EVENTS_KEPT = 4096  # ParamGather's timeline: about 4 events per unit and use, so the first steps
+EVENTS_KEPT = 4096  # ParamGather's events kept: about 4 per unit and use, enough for the first steps
 
 
 class ZeroAdamW:
@@ -80,8 +81,8 @@ class ZeroAdamW:
         for b in sync.buckets:
             s = slice(*b.shard_range(self.grid.dp_cp_rank))
             master = shard_of(b, s, initial or (lambda p: p.detach()))  # fp32, this rank's part only
-            if self.stage == 3:  # this rank keeps its shard of the weights, nothing more
-                flat = b.param_shard = master.to(param_dtype, copy=True)
+            if self.stage == 3:  # this rank keeps its shard of the weights, nothing more (ParamGather's Unit)
+                flat = master.to(param_dtype, copy=True)
                 for p in b.params:
                     p.data = placeholder(p.shape, param_dtype, b.device)
             else:
@@ -178,11 +179,6 @@ def units(model: torch.nn.Module) -> list[list[torch.nn.Parameter]]:
     return [root] + [list(block.parameters()) for block in t.h]
 
 
-def in_backward() -> bool:
-    """Is autograd running a backward on this thread right now? (A recomputed forward runs inside one.)"""
-    return torch._C._current_graph_task_id() != -1
-
-
 class _BeforeBackward(torch.autograd.Function):
     """Identity forward; in the backward, call `fn` first: the hook that gathers a unit's weights
     before the backward that needs them (and prefetches the next)."""
@@ -198,18 +194,31 @@ class _BeforeBackward(torch.autograd.Function):
         return grad, None
 
 
+@dataclass
+class Unit:
+    """ZeRO-3's state of one unit: its bucket of parameters (gradients.Bucket, whose gradients GradSync
+    reduces), this rank's shard of their weights (the optimizer's "flat"), the buffer they are gathered
+    into (one for the run: 0 bytes while free), where they are, and the all-gather in flight."""
+    bucket: Bucket
+    shard: torch.Tensor
+    buffer: torch.Tensor
+    state: str = "free"  # free, gathering or whole
+    gathering: object = None  # the all-gather's handle while state is "gathering"
+
+
 class ParamGather:
     """ZeRO-3's parameter side: module hooks gather each unit's weights before it runs, prefetch the
     next unit's, and free them after (see the module docstring). GradSync's reduce-scatter of a
     unit's gradients (`on_reduced`) frees the weights after the backward."""
 
-    def __init__(self, model: torch.nn.Module, sync: GradSync, grid: Grid, compiled: bool = False):
-        self.grid, self.sync = grid, sync
-        self.units: list[Bucket] = sync.buckets[::-1]  # forward order: root, block 0, block 1, ...
-        for u in self.units:  # state: free, gathering or whole; buffer: the weights' storage, kept for the run
-            u.state, u.work = "free", None
-            u.buffer = torch.empty(u.padded, dtype=u.param_shard.dtype, device=u.device)
-            u.buffer.untyped_storage().resize_(0)
+    def __init__(self, model: torch.nn.Module, opt: ZeroAdamW, compiled: bool = False):
+        sync = opt.sync
+        self.grid, self.sync = sync.grid, sync
+        self.units: list[Unit] = []  # forward order: root, block 0, block 1, ...
+        for b, st in zip(sync.buckets[::-1], opt.shards[::-1]):
+            buffer = torch.empty(b.padded, dtype=st["flat"].dtype, device=b.device)
+            buffer.untyped_storage().resize_(0)
+            self.units.append(Unit(b, st["flat"], buffer))
         self.events: list[tuple[str, int, float]] = []  # (what, unit, seconds): the prefetch, measured
         t, last = model.transformer, len(self.units) - 1
         # A compiled module runs its hooks inside its compiled call: gathering and freeing (collectives,
@@ -225,11 +234,12 @@ class ParamGather:
         for i, block in enumerate(t.h, start=1):
             block.register_forward_pre_hook(eager(lambda m, args, i=i: self.use(i, prefetch=self._next(i))))
             block.register_forward_hook(eager(lambda m, args, out, i=i: self._after_block(i, out)))
-        sync.on_reduced = lambda b: self.free(self.units.index(b))
+        index = {id(u.bucket): i for i, u in enumerate(self.units)}
+        sync.on_reduced = lambda b: self.free(index[id(b)])
         self.last = last
 
     def record(self, what: str, i: int) -> None:
-        """Keep the first few thousand events: the first steps are what prefetch_report reads."""
+        """Keep the first few thousand events: the first steps are what reports.prefetch_report reads."""
         if len(self.events) < EVENTS_KEPT:
             self.events.append((what, i, time.perf_counter()))
 
@@ -245,19 +255,19 @@ class ParamGather:
         u = self.units[i]
         if u.state != "free":
             return
-        u.buffer.untyped_storage().resize_(u.padded * u.buffer.element_size())  # back from 0 bytes (see above)
-        u.state, u.work = "gathering", self.grid.all_gather(u.buffer, u.param_shard, "dp_cp", async_op=True)
+        u.buffer.untyped_storage().resize_(u.bucket.padded * u.buffer.element_size())  # back from 0 bytes
+        u.state, u.gathering = "gathering", self.grid.all_gather(u.buffer, u.shard, "dp_cp", async_op=True)
         self.record("gather", i)
 
     def wait(self, i: int) -> None:
         u = self.units[i]
         if u.state != "gathering":
             return
-        landed = u.work is None or u.work.is_completed()  # already there: the gather was hidden entirely
-        if u.work is not None:
-            peer_call(u.work.wait, what=self.grid.describe("ZeRO-3's all_gather of weights", "dp_cp"))
-        u.state, u.work = "whole", None
-        for p, view in u.views(u.buffer):
+        landed = u.gathering is None or u.gathering.is_completed()  # already there: the gather was hidden
+        if u.gathering is not None:
+            peer_call(u.gathering.wait, what=self.grid.describe("ZeRO-3's all_gather of weights", "dp_cp"))
+        u.state, u.gathering = "whole", None
+        for p, view in u.bucket.views(u.buffer):
             p.data = view
         self.record("ready" if not landed else "ready (landed early)", i)
 
@@ -273,8 +283,8 @@ class ParamGather:
         u = self.units[i]
         self.wait(i)  # a gather in flight writes into its buffer: let it land first
         u.state = "free"
-        for p in u.params:
-            p.data = placeholder(p.shape, u.param_shard.dtype, u.device)
+        for p in u.bucket.params:
+            p.data = placeholder(p.shape, u.shard.dtype, u.bucket.device)
         u.buffer.untyped_storage().resize_(0)  # the memory itself, under autograd's views too
         self.record("free", i)
 
@@ -297,21 +307,3 @@ class ParamGather:
     def all_free(self) -> bool:
         """Is every unit back to its shard (as between steps it must be)?"""
         return all(u.state == "free" for u in self.units)
-
-    def prefetch_report(self) -> str:
-        """From the first forward: for how many blocks the next unit's all-gather was launched before
-        the block began computing and waited for only after it had finished (so it was in flight
-        during the compute), and how many of those had already landed when waited for."""
-        first = {}
-        for what, i, t in self.events:
-            first.setdefault((what.split(" ")[0], i), t)
-            first.setdefault((what, i), t)
-        blocks = range(1, len(self.units) - 1)
-        spans = [i for i in blocks if first[("gather", i + 1)] < first[("compute", i)]
-                 and first[("free", i)] < first[("ready", i + 1)]]
-        early = [i for i in spans if ("ready (landed early)", i + 1) in first
-                 and first[("ready (landed early)", i + 1)] == first[("ready", i + 1)]]
-        return (f"ZeRO-3 prefetch: the next unit's all-gather was in flight while the block computed for "
-                f"{len(spans)} of {len(blocks)} blocks; already complete when needed: {len(early)} (first forward"
-                + ("; host time: on a GPU, when issued and when seen complete)" if self.grid.device.type == "cuda"
-                   else ")"))

@@ -33,11 +33,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import config  # noqa: E402
-import formulas  # noqa: E402
 import model as gpt  # noqa: E402
 import parallel  # noqa: E402
 import stability  # noqa: E402
 import train  # noqa: E402
+from instruments import planner, reports  # noqa: E402
 
 GPU_DEFAULTS = dict(preset="gpt2", batch_size=32, seq_len=1024, micro_batch_size=16, precision="bf16", compile=True)
 CPU_DEFAULTS = dict(preset="mini", batch_size=8, seq_len=128, micro_batch_size=8, precision="fp32", compile=False)
@@ -122,7 +122,7 @@ def loss_layer_memory(args, device: torch.device) -> dict[str, int]:
             loss.backward()
             x.grad = w.grad = None
         return run
-    return {name: formulas.peak_memory(forward_backward(layer), device)
+    return {name: reports.peak_memory(forward_backward(layer), device)
             for name, layer in (("fused", gpt.CrossEntropy()), ("unfused", UnfusedCrossEntropy()))}
 
 
@@ -149,7 +149,7 @@ def main() -> None:
     head_dim = gpt.config_from_preset(args.preset, 50257).head_dim  # 'auto' resolved as train.py does it
     args.attn = config.resolve_attention(config.TrainConfig(attn=args.attn, precision=args.precision), device, head_dim)
     benches = {"ours": Bench(args, device, fused=True), "unfused loss": Bench(args, device, fused=False)}
-    peaks = [formulas.peak_flops(device, args.precision)]  # on a CPU measured between the rounds too: the best
+    peaks = [planner.peak_flops(device, args.precision)]  # on a CPU measured between the rounds too: the best
     rates = {name: [] for name in benches}
     for b in benches.values():
         for _ in range(3):  # warm-up: compilation, allocations (the first 2 MB pages are slow), first calls
@@ -157,7 +157,7 @@ def main() -> None:
     for _ in range(args.rounds):
         for name, b in benches.items():
             rates[name].append(b.tokens_per_second(args.steps))
-        peaks.append(formulas.peak_flops(device, args.precision))
+        peaks.append(planner.peak_flops(device, args.precision))
     print(report(args, device, benches, rates, max(peaks)))
 
 
@@ -172,7 +172,7 @@ def report(args, device, benches, rates, peak) -> str:
     summary = {}
     for name, b in benches.items():
         tps = statistics.median(rates[name])
-        mem = formulas.peak_memory(b.step, device)
+        mem = reports.peak_memory(b.step, device)
         for _ in range(args.steps):
             b.step(timed_phases=True)
         ms = {k: v / args.steps * 1e3 for k, v in b.phases.items()}

@@ -123,8 +123,7 @@ def main() -> None:
     if args.run:
         return run_one(args)
     import data
-    import scan
-    import tokenizer
+    from support import scan, tokenizer
     workers = [w or scan.cores() for w in args.workers]
     print(f"data preparation of this Python's standard library repeated with variations, {args.tokenizer} "
           f"tokenizer, {scan.cores()} cores")

@@ -65,7 +65,7 @@ def main() -> None:
     g, on_cpu = run.grid, run.device.type == "cpu"
     print(json.dumps({
         "rank": g.rank, "peak": peak_apart_from(allocations(prof, run.device.type), state), "n": g.dp_cp,
-        "shard": sum(b.shard_size * b.param_shard.element_size() for b in run.sync.buckets),
+        "shard": sum(st["flat"].numel() * st["flat"].element_size() for st in run.opt.shards),
         "model": sum(p.numel() * 4 for p in run.model.parameters()),
         "unit": max(b.numel * 4 for b in run.sync.buckets),
         "draw": max(s.numel() * 4 for s in model.full_shapes(run.model_cfg).values()) if on_cpu else 0,

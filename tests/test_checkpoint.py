@@ -115,8 +115,8 @@ def test_async_saves_write_the_same_checkpoints(corpus, tmp_path):
 
 def test_inspect_prints_the_manifest(corpus, tmp_path):
     run_train(corpus, tmp_path, *RUN, "--max-steps", "2")
-    out = subprocess.run([sys.executable, str(ROOT / "checkpoint.py"), "inspect", str(tmp_path / "ckpt")],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, "-m", "instruments.checkpoints", "inspect", str(tmp_path / "ckpt")],
+                         cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert "step 2" in out and "all 1 files verified" in out
     assert "transformer.h.3.mlp.c_fc.weight" in out and "(256, 64)" in out
     manifest = json.loads((tmp_path / "ckpt" / "step_00000002" / "manifest.json").read_text())
@@ -172,7 +172,7 @@ def test_every_byte_is_hashed_once_on_its_way_to_the_disk(tmp_path, monkeypatch)
     import hashlib
     from types import SimpleNamespace
 
-    import storage
+    from support import storage
 
     hashed, sha256 = [], hashlib.sha256
 
@@ -221,7 +221,7 @@ def test_a_save_that_finds_the_last_one_still_writing_is_skipped_not_waited_for(
     return, just later, and write its checkpoint.)"""
     import threading
 
-    import storage
+    from support import storage
 
     release, write = threading.Event(), storage.write_safetensors
 

@@ -17,9 +17,9 @@ import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import context
-import formulas
 import parallel
 import shard
+from instruments import reports
 from kernels import unpack_qkv
 from model import GPTConfig
 
@@ -88,7 +88,7 @@ def attention_peak(grid, seq_len: int) -> int:
     def step():
         out = core(local)
         out.backward(torch.ones_like(out))
-    return formulas.peak_memory(step, torch.device("cpu"))
+    return reports.peak_memory(step, torch.device("cpu"))
 
 
 PEAK_T = 512
@@ -173,7 +173,7 @@ def ring_peak(seq_len: int) -> int:
     def step():
         out = context.RingAttentionFn.apply(qkv, parallel.Grid(), False)
         out.backward(torch.ones_like(out))
-    return formulas.peak_memory(step, torch.device("cpu"))
+    return reports.peak_memory(step, torch.device("cpu"))
 
 
 def test_ring_attention_off_the_kernel_grows_linearly_with_the_sequence(monkeypatch):

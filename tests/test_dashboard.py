@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, metrics, run_train
 
-import dashboard
+from instruments import dashboard
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 OFFLINE = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -134,11 +134,12 @@ def test_the_command_rewrites_the_page(spiked, tmp_path):
     out, dom = spiked
     for name in ("metrics.jsonl", "run.json"):
         shutil.copy(out / name, tmp_path / name)
-    done = subprocess.run([sys.executable, str(ROOT / "dashboard.py"), str(tmp_path)], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "instruments.dashboard", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout == f"wrote {tmp_path / 'report.html'} (30 steps)\n"
     assert lines(browse(tmp_path / "report.html"), "loss")["loss"] == lines(dom, "loss")["loss"]
-    bad = subprocess.run([sys.executable, str(ROOT / "dashboard.py"), str(tmp_path / "nothing")],
-                         capture_output=True, text=True)
+    bad = subprocess.run([sys.executable, "-m", "instruments.dashboard", str(tmp_path / "nothing")],
+                         cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and bad.stderr.startswith("error: ")
 
 

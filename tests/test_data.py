@@ -19,10 +19,7 @@ import torch
 from conftest import ROOT
 
 import data
-import dedup
-import scan
-import sources
-import tokenizer
+from support import dedup, scan, sources, tokenizer
 
 WORDS = [f"w{i}" for i in range(5000)]
 

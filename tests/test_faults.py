@@ -24,8 +24,7 @@ import checkpoint
 import data
 import model as gpt
 import parallel
-import rundir
-import storage
+from support import rundir, storage
 
 RUN = ["--max-steps", "6", "--ckpt-every", "2", "--eval-every", "6", "--keep", "3"]
 
@@ -88,8 +87,8 @@ def edit_manifest(path: Path, change) -> None:
 def test_a_damaged_manifest_is_unusable_and_the_run_falls_back(damage, straight, corpus, tmp_path):
     out = copy_of(straight, tmp_path)
     DAMAGES[damage](out / "ckpt" / "step_00000004" / "manifest.json")
-    inspected = subprocess.run([sys.executable, str(ROOT / "checkpoint.py"), "inspect", str(out / "ckpt")],
-                               capture_output=True, text=True)
+    inspected = subprocess.run([sys.executable, "-m", "instruments.checkpoints", "inspect", str(out / "ckpt")],
+                               cwd=ROOT, capture_output=True, text=True)
     assert inspected.returncode == 2 and "manifest" in inspected.stdout + inspected.stderr
     assert "Traceback" not in inspected.stderr
     resumed = run_train(corpus, out, *RUN)
@@ -104,8 +103,8 @@ def test_inspect_names_the_broken_file(straight, tmp_path):
     raw = bytearray(victim.read_bytes())
     raw[-100] ^= 1
     victim.write_bytes(bytes(raw))
-    result = subprocess.run([sys.executable, str(ROOT / "checkpoint.py"), "inspect", str(out / "ckpt")],
-                            capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-m", "instruments.checkpoints", "inspect", str(out / "ckpt")],
+                            cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 2
     assert "manifest.json     ok" in result.stdout
     assert "rank00000.safetensors" in result.stdout and "BROKEN" in result.stdout and "sha256" in result.stdout

@@ -240,7 +240,7 @@ def gpu_corpus(tmp_path_factory) -> dict:
     """~2 MB of the standard library (about 0.5M GPT-2 tokens) and a cache holding the GPT-2 tokenizer."""
     import sysconfig
 
-    import tokenizer
+    from support import tokenizer
 
     ranks = tokenizer.DEFAULT_CACHE_DIR / tokenizer.GPT2_FILE
     assert ranks.exists(), f"{ranks} is missing: run `python data.py --fetch-tokenizer` (the README's set-up)"
@@ -569,7 +569,7 @@ def check_collective_timed_on_its_stream(device: str) -> None:
 
     import torch.distributed as dist
 
-    import timeline
+    from instruments import timeline
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -605,8 +605,8 @@ def test_ring_attention_off_the_kernel_grows_linearly_on_cuda(monkeypatch):
     """fp32 ring attention (the math blocks) on the GPU: doubling T doubles the memory (tests/test_context.py
     measures the same on a CPU)."""
     import context
-    import formulas
     import parallel
+    from instruments import reports
 
     monkeypatch.setattr(context, "SCORE_CHUNK_BYTES", 2**20)
     cuda = torch.device("cuda")
@@ -617,7 +617,7 @@ def test_ring_attention_off_the_kernel_grows_linearly_on_cuda(monkeypatch):
         def step():
             out = context.RingAttentionFn.apply(qkv, parallel.Grid(device=cuda), False)
             out.backward(torch.ones_like(out))
-        return formulas.peak_memory(step, cuda)
+        return reports.peak_memory(step, cuda)
 
     peaks = {T: peak(T) for T in (2048, 4096)}
     assert peaks[4096] <= 2.2 * peaks[2048], peaks

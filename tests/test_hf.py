@@ -8,8 +8,8 @@ import torch
 import transformers  # a test-only oracle, from requirements-dev.txt
 from conftest import ROOT, final_weights, run_train
 
-import hf
 import model as gpt
+from instruments import hf
 
 
 def hf_model(vocab=257):
@@ -35,8 +35,8 @@ def test_import_gives_the_same_logits_as_transformers(safetensors, tmp_path):
 
 def test_export_loads_in_transformers_and_round_trips(corpus, tmp_path):
     run_train(corpus, tmp_path / "run", "--max-steps", "2")
-    out = subprocess.run([sys.executable, str(ROOT / "checkpoint.py"), "export-hf", str(tmp_path / "run" / "ckpt"),
-                          str(tmp_path / "hf")], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, "-m", "instruments.hf", "export", str(tmp_path / "run" / "ckpt"),
+                          str(tmp_path / "hf")], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert "wrote a Hugging Face GPT-2 model" in out
     theirs = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
     weights = final_weights(tmp_path / "run")

@@ -280,7 +280,7 @@ def run_blocks(doc: Path, cwd: Path) -> tuple[list, list[list[str]], subprocess.
     parts = blocks(doc.read_text())
     script = "".join(f"echo '{MARK}'\n{commands}\n" for commands, _ in parts)
     for item in ROOT.iterdir():  # the lesson sees the repository as its working directory
-        if item.suffix == ".py" or item.name in ("lessons", "tests"):
+        if item.suffix == ".py" or item.name in ("lessons", "tests", "support", "instruments"):
             (cwd / item.name).symlink_to(item)
     home = cwd / "home"
     (home / ".cache" / "nanoscale").mkdir(parents=True)

@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-import formulas
 import model as gpt
 
 
@@ -94,10 +93,9 @@ def test_flops_per_token_matches_the_palm_formula():
     assert gpt.flops_per_token(cfg, 1024) == 6 * N + 12 * 12 * 12 * 64 * 1024
 
 
-def test_fused_loss_equals_cross_entropy_and_never_holds_the_logits(monkeypatch):
+def test_fused_loss_equals_cross_entropy(monkeypatch):
     import torch.nn.functional as F
 
-    import formulas
     import lmhead
     torch.manual_seed(0)
     N, C, V = 1000, 32, 4096
@@ -110,14 +108,6 @@ def test_fused_loss_equals_cross_entropy_and_never_holds_the_logits(monkeypatch)
     (F.cross_entropy(x2 @ w2.t(), targets) * 3).backward()
     torch.testing.assert_close(x.grad, x2.grad, rtol=1e-12, atol=1e-15)
     torch.testing.assert_close(w.grad, w2.grad, rtol=1e-12, atol=1e-15)
-
-    # memory of the loss and its backward, fp32: one chunk of logits + dW, against ~3 copies of all logits
-    x, w = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
-    cpu = torch.device("cpu")
-    fused = formulas.peak_memory(lambda: lmhead.lm_head_loss(x, w, targets).backward(), cpu)
-    unfused = formulas.peak_memory(lambda: F.cross_entropy(x @ w.t(), targets).backward(), cpu)
-    logits = N * V * 4
-    assert unfused >= 2 * logits and fused <= logits / 4 and unfused >= 4 * fused, (fused, unfused, logits)
 
 
 def fp16_gradient_error(device: str) -> float:
@@ -189,45 +179,3 @@ def test_recomputation_trains_bitwise_like_storing_with_the_same_dropout():
         losses, after, weights = runs[mode]
         assert losses == ref_losses and torch.equal(after, ref_after), mode
         assert all(torch.equal(a, b) for a, b in zip(weights, ref_weights, strict=True)), mode
-
-
-@pytest.mark.parametrize("attn,dropout", [("math", 0.0), ("sdpa", 0.0), ("sdpa", 0.1)])
-def test_recomputation_saves_the_activations_the_formula_predicts(attn, dropout):
-    """Bytes autograd keeps for the backward, per layer, counted (formulas.SavedActivations) against
-    formulas.activation_formula for each --recompute: each within 10%, so the factors too. With the
-    math backend selective drops the (T, T) probabilities; with a fused kernel there is nothing to drop."""
-    measured, predicted = {}, {}
-    for mode in ("none", "selective", "full"):
-        cfg = gpt.config_from_preset("tiny", 257, recompute=mode, attn=attn, dropout=dropout)
-        m = gpt.build(cfg, seed=0)
-        x = torch.randint(0, 257, (8, 33), generator=torch.Generator().manual_seed(0))
-        with formulas.SavedActivations(m, torch.device("cpu")) as acts:
-            m(x[:, :-1], x[:, 1:])[1].backward()
-        measured[mode] = acts.per_layer
-        predicted[mode] = formulas.activation_formula(cfg, 32, 8, 1, False, mode, attn, 4, mask_bytes=4)[0]
-        assert measured[mode] == pytest.approx(predicted[mode], rel=0.1), mode
-    assert measured["none"] / measured["full"] == pytest.approx(predicted["none"] / predicted["full"], rel=0.1)
-    # 16 s b h, + a s^2 b (math) or + 2 s b h of masks (the CPU's dropout keeps them in fp32), against s b h
-    assert predicted["none"] / predicted["full"] == (16 if attn == "sdpa" and not dropout else 18)
-    if attn == "math":  # the probabilities are 2 of the 18
-        assert measured["none"] > 1.1 * measured["selective"]
-    else:
-        assert measured["none"] >= measured["selective"]
-
-
-@pytest.mark.parametrize("params", [torch.float32, torch.bfloat16], ids=["fp32-params", "bf16-params"])
-def test_saved_activations_under_bf16_autocast_match_the_formula(params):
-    """bf16 compute on fp32 parameters (no ZeRO): the residual stream is fp32, so the LayerNorms keep
-    4-byte inputs, and autocast's bf16 copies of the weights, though saved for the backward, are weight
-    memory. On bf16 parameters (ZeRO's) every saved tensor is 2 bytes. Within 3% either way (what the
-    formula leaves out, LayerNorm statistics and the attention log-sum-exp, is 1.4% at these widths);
-    counting the weight copies as activations was 23% over."""
-    cfg = gpt.config_from_preset("tiny", 257, attn="sdpa")
-    m = gpt.build(cfg, seed=0).to(params)
-    x = torch.randint(0, 257, (8, 65), generator=torch.Generator().manual_seed(0))
-    with formulas.SavedActivations(m, torch.device("cpu")) as acts, torch.autocast("cpu", torch.bfloat16):
-        m(x[:, :-1], x[:, 1:])
-    norm_bytes = params.itemsize  # on CUDA it would be 4 either way: autocast runs layer_norm in fp32 there
-    predicted = formulas.activation_formula(cfg, 64, 8, 1, False, "none", "sdpa", 2, 2, norm_bytes)[0]
-    assert acts.per_layer == pytest.approx(predicted, rel=0.03)
-    assert predicted == 64 * 8 * 64 * (2 * norm_bytes + 2 * 14)  # LN inputs, then 14 bf16 elements per token

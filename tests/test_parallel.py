@@ -21,6 +21,7 @@ from conftest import ROOT, TINY, assert_same_weights, final_weights, metrics, ru
 import context
 import parallel
 import pipeline
+from support import interrupt
 
 STEPS = ["--max-steps", "4", "--ckpt-every", "0"]
 
@@ -222,23 +223,6 @@ def test_schedules_are_what_the_papers_say():
         pipeline.simulate(broken)
 
 
-def test_stage_ops_travel_as_rows_of_kind_micro_chunk():
-    """all_stage_ops gathers each stage's ops over the pipeline group as an (n, 3) integer tensor, a row
-    (kind, micro, chunk) per op: every schedule's ops come back as they went, and no number is too
-    large (the micro-batch 2,000,000 and the chunk 1,500 below need more room than a packing into one
-    integer by powers of 1000 gives them)."""
-    p, m, v = 4, 8, 2
-    for schedule in (pipeline.gpipe, pipeline.one_f_one_b, lambda p, r, m: pipeline.interleaved_1f1b(p, r, m, v)):
-        for ops in (schedule(p, r, m) for r in range(p)):
-            rows = pipeline.encode_ops(ops)
-            assert rows.dtype == torch.long and rows.shape == (len(ops), 3)
-            assert pipeline.decode_ops(rows) == [pipeline.op_parts(op) for op in ops]
-    ops = [("F", 0, 0), ("B", 2_000_000, 1500), ("B", 3)]
-    assert pipeline.encode_ops(ops).tolist() == [[0, 0, 0], [1, 2_000_000, 1500], [1, 3, 0]]
-    assert pipeline.decode_ops(pipeline.encode_ops(ops)) == [("F", 0, 0), ("B", 2_000_000, 1500), ("B", 3, 0)]
-    assert pipeline.encode_ops([]).shape == (0, 3)
-
-
 def test_grid_rank_order():
     g = parallel.Grid(tp=2, pp=2, dp=2, rank=5)
     assert (g.pp_rank, g.dp_rank, g.tp_rank) == (1, 0, 1)
@@ -327,10 +311,10 @@ def test_the_step_waits_for_nccl_at_most_the_timeout_and_says_what_its_watchdog_
     --timeout (and a grace) and turns what the watchdog reports into one PeerError (train.py: exit status
     3). The waiting itself, with stand-ins for the device's event and for NCCL's report."""
     polls = iter([False, False, True])
-    parallel.wait_until(lambda: next(polls), 5.0, "rank 0, waiting")  # done on the third look: no error
+    interrupt.wait_until(lambda: next(polls), 5.0, "rank 0, waiting")  # done on the third look: no error
     start = time.monotonic()
-    with pytest.raises(parallel.PeerError, match=r"not done after 0\.2 s \(--timeout\): a peer died or hangs"):
-        parallel.wait_until(lambda: False, 0.2, "rank 0, waiting for the GPU")  # a hang: bounded
+    with pytest.raises(interrupt.PeerError, match=r"not done after 0\.2 s \(--timeout\): a peer died or hangs"):
+        interrupt.wait_until(lambda: False, 0.2, "rank 0, waiting for the GPU")  # a hang: bounded
     assert 0.2 <= time.monotonic() - start < 5
 
     class Backend:  # what ProcessGroupNCCL says after its watchdog aborted a collective that outlived --timeout
@@ -343,12 +327,12 @@ def test_the_step_waits_for_nccl_at_most_the_timeout_and_says_what_its_watchdog_
 
     grid = parallel.Grid(dp=2, rank=1, groups={"dp": Group()}, members={"dp": (0, 1)})
     start = time.monotonic()
-    with pytest.raises(parallel.PeerError) as e:  # at once, not at the deadline
-        parallel.wait_until(lambda: False, 600, "rank 1, waiting for the GPU", failure=grid.nccl_failure)
+    with pytest.raises(interrupt.PeerError) as e:  # at once, not at the deadline
+        interrupt.wait_until(lambda: False, 600, "rank 1, waiting for the GPU", failure=grid.nccl_failure)
     assert time.monotonic() - start < 5
     assert str(e.value) == "rank 1, waiting for the GPU: NCCL reports TIMEOUT in a collective over dp (ranks 0, 1)"
-    with pytest.raises(parallel.PeerError, match="NCCL reports TIMEOUT"):  # the aborted collective let the
-        parallel.wait_until(lambda: True, 600, "rank 1", failure=grid.nccl_failure)  # device pass: garbage
+    with pytest.raises(interrupt.PeerError, match="NCCL reports TIMEOUT"):  # the aborted collective let the
+        interrupt.wait_until(lambda: True, 600, "rank 1", failure=grid.nccl_failure)  # device pass: garbage
     grid.wait_for_device()  # on a CPU (gloo: its calls raise themselves) there is nothing to wait for
 
 
@@ -426,8 +410,7 @@ def zero3_and_dense(param_dtype=torch.float32):
     model, dense = gpt.build(cfg, seed=0), gpt.build(cfg, seed=0)
     grid = parallel.Grid()
     sync = gradients.GradSync(model, grid, zero=3, units=zero.units(model))
-    zero.ZeroAdamW(sync, 1e-3, param_dtype=param_dtype)
-    gather = zero.ParamGather(model, sync, grid)
+    gather = zero.ParamGather(model, zero.ZeroAdamW(sync, 1e-3, param_dtype=param_dtype))
     idx = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
     root = sum(p.numel() for p in zero.units(dense)[0]) * 4  # the embeddings' unit, fp32
     return model, dense, sync, gather, idx, root
@@ -464,8 +447,8 @@ def test_zero3_under_fp16_holds_no_whole_copy_of_the_weights():
     the weights in the compute dtype (stability.Precision.params), as under bf16: after the forward,
     autograd holds the activations of the model without ZeRO (its weights and their fp16 copies left
     out) plus the embeddings' unit, and no weight of any block in any dtype."""
-    import formulas
     import stability
+    from instruments import reports
 
     fp16 = stability.PRECISIONS["fp16"]
     model, dense, sync, gather, idx, root = zero3_and_dense(fp16.params)
@@ -473,7 +456,7 @@ def test_zero3_under_fp16_holds_no_whole_copy_of_the_weights():
     with fp16.autocast(torch.device("cpu")):
         loss, held = forward_holding(model, idx)
         _, activations = forward_holding(dense, idx, skip=lambda t: t.untyped_storage()._cdata in weights
-                                         or formulas.weight_copy(t))
+                                         or reports.weight_copy(t))
     assert held <= activations + root, (held, activations, root)  # before: +200 KB, both blocks' fp16 copies
     loss.backward()
     sync.finish()

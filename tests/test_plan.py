@@ -1,13 +1,13 @@
-"""planner.plan: the paper estimates of lesson 12, held to model.py and to published figures."""
+"""planner.plan and formulas.py: the paper estimates of lesson 12, held to model.py, to what autograd and the
+allocator measure (reports.py), and to published figures."""
 
 import pytest
 import torch
 
-import formulas
 import model as gpt
 import parallel
 import pipeline
-import planner
+from instruments import formulas, planner, reports
 
 GB = 1e9
 
@@ -304,11 +304,11 @@ def test_headroom_decides_what_fits():
 def test_pipeline_warning_when_the_bubble_exceeds_its_threshold(pp, m, vp, warns):
     """train.py logs this line: lesson 09's --pp 4 --micro-batch-size 2 (m = 4: 43%) warns, its
     --pp 4 run with m = 8 (27%) does not; m >= 4 p never warns."""
-    line = formulas.pipeline_warning(pp, m, vp)
-    assert (line is not None) == warns == ((pp - 1) / (vp * m + pp - 1) > formulas.BUBBLE_WARNING)
+    line = pipeline.bubble_warning(pp, m, vp)
+    assert (line is not None) == warns == ((pp - 1) / (vp * m + pp - 1) > pipeline.BUBBLE_WARNING)
     if warns:
         assert line.startswith(f"warning: {m} micro-batches for {pp} stages") and "%" in line
-    assert formulas.pipeline_warning(pp, 4 * pp, vp) is None
+    assert pipeline.bubble_warning(pp, 4 * pp, vp) is None
 
 
 def test_mfu_denominator_is_the_rate_the_matmuls_run_at(monkeypatch):
@@ -316,11 +316,72 @@ def test_mfu_denominator_is_the_rate_the_matmuls_run_at(monkeypatch):
     for fp32 the plain fp32 peak, unless TF32 is allowed (then half the 16-bit rate)."""
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
     cuda = torch.device("cuda")
-    assert formulas.peak_flops(cuda, "bf16") == formulas.peak_flops(cuda, "fp16") == 989e12
-    assert formulas.peak_flops(cuda, "fp32") == 67e12  # PyTorch's default: "highest", no TF32
+    assert planner.peak_flops(cuda, "bf16") == planner.peak_flops(cuda, "fp16") == 989e12
+    assert planner.peak_flops(cuda, "fp32") == 67e12  # PyTorch's default: "highest", no TF32
     monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")
-    assert formulas.peak_flops(cuda, "fp32") == 989e12 / 2
-    assert formulas.unknown_gpu(cuda) is None and formulas.unknown_gpu(torch.device("cpu")) is None
+    assert planner.peak_flops(cuda, "fp32") == 989e12 / 2
+    assert planner.unknown_gpu(cuda) is None and planner.unknown_gpu(torch.device("cpu")) is None
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA B200")  # not in the table:
-    assert formulas.peak_flops(cuda, "bf16") == 312e12  # an A100's peak stands in, and train.py says so
-    assert formulas.unknown_gpu(cuda).startswith("note: NVIDIA B200 is not in formulas.GPU_PEAKS")
+    assert planner.peak_flops(cuda, "bf16") == 312e12  # an A100's peak stands in, and train.py says so
+    assert planner.unknown_gpu(cuda).startswith("note: NVIDIA B200 is not in planner.GPU_PEAKS")
+
+
+@pytest.mark.parametrize("attn,dropout", [("math", 0.0), ("sdpa", 0.0), ("sdpa", 0.1)])
+def test_recomputation_saves_the_activations_the_formula_predicts(attn, dropout):
+    """Bytes autograd keeps for the backward, per layer, counted (reports.SavedActivations) against
+    formulas.activation_formula for each --recompute: each within 10%, so the factors too. With the
+    math backend selective drops the (T, T) probabilities; with a fused kernel there is nothing to drop."""
+    measured, predicted = {}, {}
+    for mode in ("none", "selective", "full"):
+        cfg = gpt.config_from_preset("tiny", 257, recompute=mode, attn=attn, dropout=dropout)
+        m = gpt.build(cfg, seed=0)
+        x = torch.randint(0, 257, (8, 33), generator=torch.Generator().manual_seed(0))
+        with reports.SavedActivations(m, torch.device("cpu")) as acts:
+            m(x[:, :-1], x[:, 1:])[1].backward()
+        measured[mode] = acts.per_layer
+        predicted[mode] = formulas.activation_formula(cfg, 32, 8, 1, False, mode, attn, 4, mask_bytes=4)[0]
+        assert measured[mode] == pytest.approx(predicted[mode], rel=0.1), mode
+    assert measured["none"] / measured["full"] == pytest.approx(predicted["none"] / predicted["full"], rel=0.1)
+    # 16 s b h, + a s^2 b (math) or + 2 s b h of masks (the CPU's dropout keeps them in fp32), against s b h
+    assert predicted["none"] / predicted["full"] == (16 if attn == "sdpa" and not dropout else 18)
+    if attn == "math":  # the probabilities are 2 of the 18
+        assert measured["none"] > 1.1 * measured["selective"]
+    else:
+        assert measured["none"] >= measured["selective"]
+
+
+@pytest.mark.parametrize("params", [torch.float32, torch.bfloat16], ids=["fp32-params", "bf16-params"])
+def test_saved_activations_under_bf16_autocast_match_the_formula(params):
+    """bf16 compute on fp32 parameters (no ZeRO): the residual stream is fp32, so the LayerNorms keep
+    4-byte inputs, and autocast's bf16 copies of the weights, though saved for the backward, are weight
+    memory. On bf16 parameters (ZeRO's) every saved tensor is 2 bytes. Within 3% either way (what the
+    formula leaves out, LayerNorm statistics and the attention log-sum-exp, is 1.4% at these widths);
+    counting the weight copies as activations was 23% over."""
+    cfg = gpt.config_from_preset("tiny", 257, attn="sdpa")
+    m = gpt.build(cfg, seed=0).to(params)
+    x = torch.randint(0, 257, (8, 65), generator=torch.Generator().manual_seed(0))
+    with reports.SavedActivations(m, torch.device("cpu")) as acts, torch.autocast("cpu", torch.bfloat16):
+        m(x[:, :-1], x[:, 1:])
+    norm_bytes = params.itemsize  # on CUDA it would be 4 either way: autocast runs layer_norm in fp32 there
+    predicted = formulas.activation_formula(cfg, 64, 8, 1, False, "none", "sdpa", 2, 2, norm_bytes)[0]
+    assert acts.per_layer == pytest.approx(predicted, rel=0.03)
+    assert predicted == 64 * 8 * 64 * (2 * norm_bytes + 2 * 14)  # LN inputs, then 14 bf16 elements per token
+
+
+def test_the_fused_loss_never_holds_the_logits(monkeypatch):
+    """Memory of the loss and its backward (lmhead.lm_head_loss), fp32: one chunk of logits + dW, against
+    ~3 copies of all logits for the unfused loss."""
+    import torch.nn.functional as F
+
+    import lmhead
+    torch.manual_seed(0)
+    N, C, V = 1000, 32, 4096
+    x = torch.randn(N, C, requires_grad=True)
+    w = torch.randn(V, C, requires_grad=True)
+    targets = torch.randint(0, V, (N,))
+    monkeypatch.setattr(lmhead, "LOSS_CHUNK_BYTES", 4 * V * 128)  # 8 chunks of 128 rows, the last short
+    cpu = torch.device("cpu")
+    fused = reports.peak_memory(lambda: lmhead.lm_head_loss(x, w, targets).backward(), cpu)
+    unfused = reports.peak_memory(lambda: F.cross_entropy(x @ w.t(), targets).backward(), cpu)
+    logits = N * V * 4
+    assert unfused >= 2 * logits and fused <= logits / 4 and unfused >= 4 * fused, (fused, unfused, logits)

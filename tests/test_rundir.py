@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, run_train, train_command
 
-import rundir
+from support import rundir
 
 
 def last_line(result) -> str:

@@ -23,7 +23,8 @@ from conftest import ROOT, run_train, train_command
 import checkpoint
 import parallel
 import sample
-import tokenizer
+from instruments import hf
+from support import tokenizer
 
 LOGGED = 24  # the runs log a sample of this many tokens at their last step; sample.py's defaults must match it
 
@@ -103,7 +104,7 @@ def test_torchrun_tp2_pp2_samples_what_one_process_samples(runs, capsys):
 
 def test_a_hugging_face_export_samples_the_same_text(runs, capsys, tmp_path):
     tp = runs["tp2pp2"][0]
-    checkpoint.main(["export-hf", str(tp / "ckpt"), str(tmp_path / "hf")])  # consolidated from tp 2 x pp 2
+    hf.main(["export", str(tp / "ckpt"), str(tmp_path / "hf")])  # consolidated from tp 2 x pp 2
     assert "wrote a Hugging Face GPT-2 model" in capsys.readouterr().out
     expected = sample_text(capsys, "--ckpt", str(tp), "--tokens", "60", "--seed", "11")
     assert sample_text(capsys, "--hf", str(tmp_path / "hf"), "--tokens", "60", "--seed", "11") == expected

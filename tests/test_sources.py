@@ -20,9 +20,7 @@ import pytest
 from conftest import metrics, run_train
 
 import data
-import scan
-import sources
-import tokenizer
+from support import scan, sources, tokenizer
 
 WORDS = [f"w{i}" for i in range(5000)]
 

@@ -18,8 +18,8 @@ from conftest import final_weights, metrics, run_train
 
 import model as gpt
 import parallel
-import rundir
-import stats
+from instruments import stats
+from support import rundir
 
 STEPS = ["--max-steps", "4", "--ckpt-every", "0", "--stats-every", "1"]
 LAYOUTS = {

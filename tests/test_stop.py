@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from conftest import ROOT, final_weights, metrics, run_train, train_command
 
-import storage
+from support import storage
 
 LONG = ["--max-steps", "300", "--eval-every", "100"]  # ~15 ms a step: time to signal in the middle
 

@@ -9,7 +9,7 @@ import json
 import pytest
 from conftest import run_train
 
-import timeline
+from instruments import timeline
 
 FLAGS = ["--max-steps", "2", "--batch-size", "8", "--micro-batch-size", "2", "--bucket-mb", "0.1",
          "--print-timeline"]

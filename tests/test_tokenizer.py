@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 
 import data
-import tokenizer
+from support import tokenizer
 
 
 def test_byte_tokenizer_round_trip():

@@ -64,11 +64,11 @@ def check_linear(grid, kind, groups, sp):
     x = torch.randn(B, T, d_in, requires_grad=True)
     grid.sp = sp
     if kind == "column":
-        layer = parallel.ColumnParallelLinear(d_in, d_out, grid, groups=groups)
+        layer = shard.ColumnParallelLinear(d_in, d_out, grid, groups=groups)
         x_local = local_seq(x, grid, sp).detach().requires_grad_()  # input: replicated, or sequence-sharded
         want_out = last_dim(dense(x), layer.weight.shard)  # output: this rank's columns, all positions
     else:
-        layer = parallel.RowParallelLinear(d_in, d_out, grid)
+        layer = shard.RowParallelLinear(d_in, d_out, grid)
         x_local = shard.take_shard(x, {"dim": 2, "index": grid.tp_rank, "count": grid.tp, "groups": 1})
         x_local = x_local.detach().requires_grad_()  # input: this rank's features
         want_out = local_seq(dense(x), grid, sp)  # output: the full sum, for this rank's positions
@@ -93,7 +93,7 @@ def check_embedding_and_loss(grid):
     torch.manual_seed(0)
     dense = torch.nn.Embedding(V, C)
     idx, targets = torch.randint(0, V, (B, T)), torch.randint(0, V, (B, T))
-    emb = parallel.VocabParallelEmbedding(V, C, grid)
+    emb = shard.VocabParallelEmbedding(V, C, grid)
     materialize(emb, {"weight": dense.weight.detach()})
     torch.testing.assert_close(emb(idx), dense(idx))
     g = torch.randn(B, T, C)
@@ -105,7 +105,7 @@ def check_embedding_and_loss(grid):
     lmhead.LOSS_CHUNK_BYTES = 5 * 4 * V // grid.tp
     x = torch.randn(B, T, C, requires_grad=True)
     x_local = x.detach().clone().requires_grad_()
-    loss = parallel.VocabParallelLoss(grid, emb.vocab_start)(x_local, emb.weight, targets)
+    loss = shard.VocabParallelLoss(grid, emb.vocab_start)(x_local, emb.weight, targets)
     want = F.cross_entropy((x @ dense.weight.t()).flatten(0, 1), targets.flatten())
     torch.testing.assert_close(loss, want)
     emb.weight.grad = dense.weight.grad = None

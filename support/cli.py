@@ -94,6 +94,11 @@ def parser(config_type, description: str, epilog: str | None = None, prog: str |
     return p
 
 
+def printer(on: bool):
+    """print, flushed, when `on` (a program's rank 0), else nothing: what every line a run says goes through."""
+    return (lambda msg: print(msg, flush=True)) if on else (lambda msg: None)
+
+
 def fail(message: str, code: int = 2, say: bool = True, cause: bool = True) -> None:
     """Exit with `code` after one line on stderr (when `say`). Under torchrun the line also goes where the
     launcher looks for a worker's error (the file TORCHELASTIC_ERROR_FILE names, in the format of

@@ -45,8 +45,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-import tokenizer
-from tokenizer import EOT_TEXT, DataError
+from support import tokenizer
+from support.tokenizer import EOT_TEXT, DataError
 
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 

@@ -41,8 +41,11 @@ How it is measured, and what each clock means:
 Ranks on one machine share its monotonic clock (CPU); elsewhere the clocks are lined up by a barrier at
 the start of the recorded step (each rank's time 0 is when it left the barrier).
 
-`Recorder` times every collective of every step (the dashboard charts `seconds()`); `--print-timeline`
-also records the compute spans of one step, gathers every rank's record and draws it (`draw`).
+`Recorder` is an Observer (parallel.py): Grid hands it every collective, the loop every compute span.
+`Timeline`, the instrument a run attaches (under torchrun, or with --print-timeline), times every
+collective of every step (`comm_s` in metrics.jsonl: the dashboard charts it) and, with
+--print-timeline, records the compute spans of the second step too; reports.py gathers every rank's
+record and draws it (`draw`).
 """
 
 import socket
@@ -52,6 +55,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+
+from parallel import Grid, Observer
 
 
 class Clock:
@@ -118,10 +123,10 @@ class TimedWork:
         return getattr(self.work, name)
 
 
-class Recorder:
+class Recorder(Observer):
     """This rank's collectives since the last reset, timed while `on`; and, while `spans_on`, its compute
     spans. On a CPU timing is always on (a clock read costs nanoseconds); on a GPU each point is a CUDA
-    event, so the loop turns it on only for the steps that report it."""
+    event, so it is turned on only for the steps that report it (Timeline)."""
 
     def __init__(self, device: torch.device):
         self.clock = Clock(device)
@@ -141,13 +146,20 @@ class Recorder:
         return comm
 
     def track(self, comm: Comm | None, work):
-        """A synchronous call has completed when it returns; an asynchronous one when its work says so."""
+        """A synchronous call has completed when it returns; an asynchronous one when its work says so (a
+        batch of point-to-point messages: when each of its works says so)."""
         if comm is None:
             return work
         if work is None:
             comm.done, comm.blocking = self.clock.now(), True
             return None
+        if isinstance(work, list):
+            return [TimedWork(w, comm, self.clock) for w in work]
         return TimedWork(work, comm, self.clock)
+
+    def collective(self, op: str, group: str, members: tuple[int, ...], nbytes: int, start):
+        comm = self.launch(op, group, members, nbytes)
+        return self.track(comm, start())
 
     @contextmanager
     def span(self, name: str):
@@ -186,6 +198,32 @@ class Recorder:
                 "comms": [(c.op, c.group, list(c.members), c.nbytes, at(c.launch), at(c.done), c.blocking)
                           for c in self.comms if c.done is not None],
                 "host": socket.gethostname(), "t0": None if self.clock.cuda else self.t0}
+
+
+class Timeline(Recorder):
+    """The timeline of a training run: every collective of every step timed, their seconds added to the
+    step's row (`comm_s`, under torchrun; on a GPU only every `every` steps, the --stats-every of the
+    dashboard's other charts, as CUDA events cost microseconds each), and with `print_step`
+    (--print-timeline) the compute and collectives of the second step this process runs recorded, for
+    reports.py to draw."""
+
+    def __init__(self, grid: Grid, every: int, print_step: bool, max_steps: int):
+        super().__init__(grid.device)
+        self.grid, self.every, self.print_step, self.max_steps = grid, every, print_step, max_steps
+        self.step = None  # the step recorded for --print-timeline (the first also allocates and compiles)
+
+    def step_begin(self, step: int) -> None:
+        self.reset()
+        if self.print_step and self.step is None:
+            self.step = step + min(1, self.max_steps - step)
+        if step == self.step:
+            self.start(self.grid.barrier)
+        elif self.clock.cuda:
+            self.on = bool(self.every) and (step == 1 or step % self.every == 0)
+
+    def step_end(self, row: dict) -> None:
+        if self.grid.world > 1 and (times := self.seconds()):
+            row["comm_s"] = times  # launch to completion, summed over this step's calls of each
 
 
 # ----------------------------------------------------------------------------- lining the ranks up

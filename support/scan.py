@@ -32,18 +32,24 @@ from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 from tqdm import tqdm
 
-import dedup
-import sources
-import tokenizer
-from tokenizer import DataError
+from support import dedup, sources, tokenizer
+from support.tokenizer import DataError
 
-if TYPE_CHECKING:
-    from data import DataConfig
+
+class Settings(Protocol):
+    """What this pass reads of data.py's DataConfig (the flags of `python data.py`)."""
+    tokenizer: str
+    cache_dir: str
+    dedup: bool
+    min_chars: int
+    max_repeated: float
+    max_control: float
+
 
 FILTERS = ("not_utf8", "binary", "too_short", "repeated_lines", "exact_dup", "near_dup")
 KEPT = 0  # a document's status: kept, or the filter that removed it (a file that is not UTF-8 has no record)
@@ -68,7 +74,7 @@ def repeated_fraction(text: str) -> float:
     return repeated / max(total, 1)
 
 
-def quality_problem(text: str, cfg: "DataConfig") -> str | None:
+def quality_problem(text: str, cfg: Settings) -> str | None:
     """The name of the first quality filter a document fails, or None."""
     if len(CONTROL.findall(text)) > cfg.max_control * len(text):
         return "binary"
@@ -82,7 +88,7 @@ def quality_problem(text: str, cfg: "DataConfig") -> str | None:
 _WORKER: tuple = ()  # (cfg, tokenizer, token dtype) of this process, set by _init_worker
 
 
-def _init_worker(cfg: "DataConfig") -> None:
+def _init_worker(cfg: Settings) -> None:
     if multiprocessing.parent_process() is not None:  # a worker process: its parent answers Ctrl-C and SIGTERM
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # (and stops the pool); a forked child inherits the
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # parent's handlers otherwise (interrupt.py)
@@ -141,7 +147,7 @@ def cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def _pool(workers: int, cfg: "DataConfig") -> ProcessPoolExecutor:
+def _pool(workers: int, cfg: Settings) -> ProcessPoolExecutor:
     """Worker processes. On Linux they are forked: they run only numpy, hashlib and tiktoken code, which
     are safe in a forked child (as PyTorch's DataLoader workers are), they share this process's loaded
     modules copy-on-write, and nothing re-imports the main script (so prepare() also works from a
@@ -151,7 +157,7 @@ def _pool(workers: int, cfg: "DataConfig") -> ProcessPoolExecutor:
                                initializer=_init_worker, initargs=(cfg,))
 
 
-def _in_order(chunks, cfg: "DataConfig", workers: int, inline: list):
+def _in_order(chunks, cfg: Settings, workers: int, inline: list):
     """(result, chunk) for each chunk, in order, computed by `workers` processes with at most two chunks
     each in flight (bounded memory); in this process (inline[0] = True) when there is one worker or one
     chunk."""
@@ -242,7 +248,7 @@ class Work:
         return mapped("docs.bin", RECORD), mapped("sig.bin", np.uint32, (dedup.NUM_PERM,)), mapped("tokens.bin", dtype)
 
 
-def scan(reader: sources.Reader, cfg: "DataConfig", work: Work, workers: int, verbose: bool) -> dict:
+def scan(reader: sources.Reader, cfg: Settings, work: Work, workers: int, verbose: bool) -> dict:
     """Pass 1: every document through the workers, results appended to `work`, resuming after its last
     finished part. Returns what this run scanned: characters, and the CPU-seconds workers spent on them."""
     done, chars, chunks_in_part, cpu, inline = work.docs, 0, 0, 0.0, [False]

@@ -35,14 +35,21 @@ the files that hold it.
    (`check_schema`) makes well-formed JSON of the wrong shape fail with a name rather than as a
    KeyError later. `verify` does all of it: the manifest's own hash, its schema, then every file
    against its size and sha256; `verify_mapped` checks a file after mapping it (`map_file`), so that
-   the bytes checked are the bytes then read, even if the file is deleted meanwhile (checkpoint.pin).
+   the bytes checked are the bytes then read, even if the file is deleted meanwhile (`pin`).
    Whatever they find wrong is a `CorruptCheckpoint`.
+
+4. How a checkpoint directory appears and goes away whole, and how a reader holds on to one (section 4
+   below): written aside and renamed into place, `latest` moved last (`prepare`, `commit`), only the
+   run's own deleted beyond --keep, renamed out of sight first (`prune`); a reader maps and checks every
+   file before it reads (`pin`, `newest`), so a cleanup cannot pull a checkpoint from under it.
 """
 
 import hashlib
 import json
 import os
 import re
+import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -288,3 +295,180 @@ def verify(path: Path) -> dict:
     for name, want in manifest["files"].items():
         verify_file(path / name, want)
     return manifest
+
+
+# ----------------------------------------------------------------------------- 4. checkpoint directories
+#
+# A checkpoint is a directory, and it appears and goes away whole. It is written as .tmp-step_N/, every
+# rank's files in it; rank 0 then writes the manifest, renames the directory to step_N/ and only then moves
+# `latest`. Cleanup renames a checkpoint out of sight (.del-step_N/) before deleting it, and touches only
+# the run's own: a directory named exactly step_N whose manifest names the run.
+
+STEP_DIR = re.compile(r"step_\d{8}")
+
+
+def prepare(ckpt_dir: Path, tmp: Path, run: str) -> None:
+    """Before every rank writes (rank 0): an empty temporary directory, and no leftovers. A crash mid-save
+    leaves a .tmp- directory; a run that fell back from a corrupt checkpoint reaches its step again and
+    replaces it (removed here, before the ranks agree to save, so no rank mistakes the old directory for
+    the new commit). The run holds the lock on its --out: nobody else writes here."""
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    for stale in [*ckpt_dir.glob(".tmp-step_*"), *ckpt_dir.glob(".del-step_*")]:
+        shutil.rmtree(stale)
+    make_way(ckpt_dir / tmp.name.removeprefix(".tmp-"), run)
+    tmp.mkdir()
+
+
+def commit(tmp: Path, final: Path, manifest: dict, ranks: int, timeout_s: float, keep: int) -> None:
+    """Rank 0, once its own files are written: wait for every rank's description (rank00000.json, ...),
+    seal the manifest (`manifest` plus every rank's "files" and "tensors"), rename the directory into
+    place, move `latest` to it, and delete the run's checkpoints beyond the newest `keep`."""
+    parts = [tmp / f"rank{r:05d}.json" for r in range(ranks)]
+    wait_for(lambda: all(p.exists() for p in parts), f"every rank's shard of step {manifest['step']}", timeout_s)
+    manifest = {**manifest, "files": {}, "tensors": []}
+    for p in parts:
+        info = json.loads(p.read_text())
+        manifest["files"].update(info["files"])
+        manifest["tensors"] += info["tensors"]
+    write_durably(tmp / "manifest.json", json.dumps(seal(manifest), indent=1).encode())
+    fsync_dir(tmp)
+    make_way(final, manifest["run"])
+    os.rename(tmp, final)
+    fsync_dir(final.parent)
+    if (final.parent / "latest").is_dir():  # junk where the pointer goes (it was reported when read)
+        shutil.rmtree(final.parent / "latest")
+    replace_atomically(final.parent / "latest", final.name)
+    prune(final, manifest["run"], keep)
+
+
+def prune(newest: Path, run: str, keep: int) -> None:
+    """Delete run `run`'s oldest checkpoints beyond `keep`, only now that a newer one exists. Only the
+    run's own count and go: another run's checkpoint copied in, a user's step_00000015.bak, one whose
+    manifest is damaged are never counted, never deleted."""
+    own = [p for p in sorted(newest.parent.glob("step_*"))  # the newest is ours: it was just written
+           if p == newest or (STEP_DIR.fullmatch(p.name) and owned_by(p, run))]
+    for old in own[:-keep]:
+        if old != newest:
+            delete(old)
+
+
+def owned_by(path: Path, run: str) -> bool:
+    try:
+        return read_manifest(path)["run"] == run
+    except CheckpointError:
+        return False
+
+
+def delete(path: Path) -> None:
+    """Out of sight in one step (a rename: readers see the whole checkpoint or none of it), then removed.
+    A reader that pinned it (`pin`) goes on reading the files it mapped."""
+    doomed = path.with_name(f".del-{path.name}")
+    shutil.rmtree(doomed, ignore_errors=True)
+    os.rename(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def make_way(final: Path, run: str) -> None:
+    """Before step N is written where a step_N is: the run's own (a rollback replays its steps) is deleted;
+    anything else is moved aside to step_N.moved-aside-<time>, never deleted."""
+    if final.is_dir() and owned_by(final, run):
+        delete(final)
+    elif final.exists():
+        os.rename(final, final.with_name(f"{final.name}.moved-aside-{time.time_ns()}"))
+
+
+def wait_for(ready, what: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        if time.monotonic() > deadline:
+            raise CheckpointError(f"timed out after {timeout_s:.0f}s (--timeout) waiting for {what}")
+        time.sleep(0.01)
+
+
+# Reading while a run writes (sample.py on a training run's --out): a reader pins what it reads.
+
+
+def candidates(ckpt_dir: Path, log=print) -> list[Path]:
+    """Checkpoint directories to try, best first: the one `latest` names, then every step_*
+    directory, newest first. An unreadable `latest` is reported and passed over."""
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        return []
+    found = sorted((p for p in ckpt_dir.glob("step_*") if STEP_DIR.fullmatch(p.name) and p.is_dir()), reverse=True)
+    pointer = ckpt_dir / "latest"
+    try:
+        name = pointer.read_text().strip() if pointer.exists() else None
+    except (OSError, UnicodeDecodeError) as e:
+        log(f"checkpoint pointer {pointer} is unreadable ({e.__class__.__name__}); trying every checkpoint")
+        name = None
+    if name is not None and not STEP_DIR.fullmatch(name):
+        log(f"checkpoint pointer {pointer} holds {name[:40]!r}, not a checkpoint name; trying every checkpoint")
+        name = None
+    if name is not None and (ckpt_dir / name) in found:
+        found = [ckpt_dir / name] + [p for p in found if p.name != name]
+    return found
+
+
+class Vanished(CheckpointError):
+    """Deleted or replaced while it was being opened (a running trainer's cleanup beyond --keep, or a
+    rollback rewriting a step): nothing is wrong with it, so it is not reported as unusable; a reader
+    lists the directory again."""
+
+
+PIN_TRIES = 10  # listings a reader tries when the checkpoints keep vanishing under it
+
+
+def pin(path: Path) -> tuple[dict, dict[str, np.ndarray]]:
+    """Open a checkpoint for reading, and check all of it: (its manifest, its files mapped). The manifest
+    first (its own sha256 and schema), then every file, mapped (`map_file`) and hashed in place, so that
+    what was checked is what is read. A mapped file stays readable after it is deleted, so once pinned a
+    checkpoint is read whole even if its run deletes it meanwhile. One that disappears or changes while it
+    is being opened raises Vanished."""
+    path, manifest = Path(path), None
+    try:
+        manifest = read_manifest(path)
+        raw = {name: _map(path / name) for name in manifest["files"]}
+        for name, want in manifest["files"].items():
+            verify_mapped(raw[name], want, path / name)
+    except CheckpointError:
+        if not _unchanged(path, manifest):
+            raise Vanished(f"{path} was deleted or replaced while it was being read") from None
+        raise
+    return manifest, raw
+
+
+def _map(file: Path):
+    try:
+        return map_file(file)
+    except FileNotFoundError:
+        raise CorruptCheckpoint(f"{file} is missing") from None
+    except OSError as e:
+        raise CorruptCheckpoint(f"{file} is unreadable ({e.strerror or e})") from None
+
+
+def _unchanged(path: Path, manifest: dict | None) -> bool:
+    """Is the checkpoint at `path` still the one whose manifest was read (none read: is it still there)?"""
+    if manifest is None:
+        return path.is_dir()
+    try:
+        return read_manifest(path)["sha256"] == manifest["sha256"]
+    except CheckpointError:
+        return False
+
+
+def newest(ckpt_dir: Path, log=print) -> tuple[Path, dict, dict] | None:
+    """The newest checkpoint that verifies, pinned: (its path, manifest, mapped files); each unusable one is
+    reported by name. When one vanishes while being opened (its run saves every step with --keep 1, say)
+    the directory is listed again: a newer one is there."""
+    for _ in range(PIN_TRIES):
+        try:
+            for path in candidates(ckpt_dir, log):
+                try:
+                    return (path, *pin(path))
+                except CorruptCheckpoint as e:  # not Vanished: that one goes up, to list the directory again
+                    log(f"checkpoint unusable, trying an older one: {e}")
+            return None
+        except Vanished:
+            continue
+    raise CheckpointError(f"the checkpoints in {ckpt_dir} were deleted or replaced {PIN_TRIES} times while being "
+                          "opened (a run saving very often with a small --keep?); try again")

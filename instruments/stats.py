@@ -41,8 +41,9 @@ It reads and never writes: the losses of a run are bitwise the same with and wit
 import torch
 
 from gradients import GradSync
-from parallel import Grid
-from zero import ZeroAdamW, in_backward
+from model import in_backward
+from parallel import Grid, Observer
+from zero import ZeroAdamW
 
 
 def layer_names(n_layer: int) -> list[str]:
@@ -59,21 +60,23 @@ def layer_of(name: str) -> str:
     return "embed"  # wte, wpe, and lm_head.weight (the tied wte, or the last stage's copy of it)
 
 
-class LayerStats:
-    """The per-layer statistics of every `every`-th step (and step 1), for the loop to call:
+class LayerStats(Observer):
+    """The per-layer statistics of every `every`-th step (and step 1), at the Observer's points:
 
         begin(step)            before the forward: is this a stats step? (hooks record activations)
         after_grads()          gradients reduced and unscaled, not yet clipped: their squares; the weights
         finish(updated)        after the optimizer (or its skip): the update, one all-reduce, the row
         pop_row()              {"event": "layers", "step": ..., "grad_norm": {...}, ...} or None
 
-    Every rank calls all four at the same points (the all-reduce needs them all); `every` = 0 makes
-    them no-ops and registers no hooks. `skip_first`: leave out the first step this process runs, whose
-    traffic and memory --comm-report and --memory-report compare with their formulas."""
+    Every rank calls the first three at the same points (the all-reduce needs them all); `every` = 0
+    makes them no-ops and registers no hooks. `skip_first`: leave out the first step this process runs,
+    whose traffic and memory --comm-report and --memory-report compare with their formulas. `write`
+    (train.py's metrics.jsonl) gets the row once the step's own line is written."""
 
     def __init__(self, model: torch.nn.Module, grid: Grid, sync: GradSync | None,
-                 opt: torch.optim.Optimizer | ZeroAdamW, n_layer: int, every: int, skip_first: bool = False):
-        self.model, self.grid, self.sync, self.opt, self.every = model, grid, sync, opt, every
+                 opt: torch.optim.Optimizer | ZeroAdamW, n_layer: int, every: int, skip_first: bool = False,
+                 write=None):
+        self.model, self.grid, self.sync, self.opt, self.every, self.write = model, grid, sync, opt, every, write
         self.layers = layer_names(n_layer)
         index = {name: i for i, name in enumerate(self.layers)}
         self.index = {id(p): index[layer_of(n)] for n, p in model.named_parameters(remove_duplicate=False)}
@@ -166,10 +169,13 @@ class LayerStats:
         row, self.row = self.row, None
         return row
 
+    # the Observer's points
+    def step_begin(self, step: int) -> None:
+        self.begin(step)
 
-def comm_seconds(grid: Grid) -> dict:
-    """{"comm_s": {"all_reduce dp": seconds, ...}}: how long each collective took this step, launch to
-    completion (timeline.py), for the step's row in metrics.jsonl; {} on one process, and on a GPU on the
-    steps whose collectives were not timed."""
-    times = grid.traffic.seconds() if grid.world > 1 else {}
-    return {"comm_s": dict(times)} if times else {}
+    def after_update(self, updated: bool) -> None:
+        self.finish(updated)
+
+    def step_written(self, row: dict) -> None:
+        if (layers := self.pop_row()) is not None:
+            self.write(**layers)

@@ -1,4 +1,4 @@
-"""How a run stops when it is asked to: Ctrl-C (SIGINT), or a scheduler's SIGTERM.
+"""How a run stops: when it is asked to (Ctrl-C, a scheduler's SIGTERM), when a peer fails, and on purpose.
 
 A scheduler that preempts a job (SLURM, Kubernetes) sends SIGTERM, waits a grace period, then sends
 SIGKILL; a person presses Ctrl-C. Python's default turns the first into a silent death and the second
@@ -24,9 +24,15 @@ A second signal more than REPEAT_S after the first exits at once (os._exit, 128 
 last complete checkpoint: a save is atomic (checkpoint.py), so one cut short is simply not there. A
 repeat within REPEAT_S is the same Ctrl-C arriving twice: the terminal signals every process of the
 foreground group, and torchrun forwards the one it got to its workers too.
+
+When a peer fails, a collective raises (gloo) or never completes (NCCL: parallel.py's bounded wait):
+`peer_call` and `wait_until` make either one PeerError line (train.py: exit status 3). And on purpose:
+--crash-at kills the process at a step or in the middle of a save (`crash_due`), for the tests and lessons
+that prove nothing is lost.
 """
 
 import os
+import re
 import signal
 import sys
 import time
@@ -83,3 +89,49 @@ class Stop:
         flag = torch.tensor([float(self.signum)], device=grid.device)
         grid.all_reduce(flag, "world", op=dist.ReduceOp.MAX)
         return int(flag.item())
+
+
+# ----------------------------------------------------------------------------- when a peer fails
+
+
+class PeerError(RuntimeError):
+    """A collective failed: a peer died, hung past --timeout, or the network broke. `where`: this rank and
+    the call it was in (a group names its ranks: the peer that failed is among them); `detail`: the
+    backend's own words, one line."""
+
+    def __init__(self, where: str, detail: str):
+        super().__init__(f"{where}: {detail}")
+        self.where, self.detail = where, detail
+
+
+def peer_call(fn, *args, what: str = "a collective", **kwargs):
+    """Run a torch.distributed call; turn its failure into one PeerError line."""
+    try:
+        return fn(*args, **kwargs)
+    except RuntimeError as e:
+        line = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+        line = re.sub(r"^\[[^\]]*:\d+\]\s*", "", line)  # gloo's source location, "[.../pair.cc:537] "
+        rank = f"rank {dist.get_rank()}, " if dist.is_initialized() else ""
+        raise PeerError(f"{rank}in {what}", line.split(". This is typically caused")[0][:300]) from e
+
+
+def wait_until(ready, timeout_s: float, where: str, failure=lambda: None, poll_s: float = 1e-3) -> None:
+    """Poll ready() until it is true. A PeerError as soon as failure() has something to say (what the backend
+    reports), or once timeout_s has passed without either: a bounded wait where the plain one could hang."""
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        if (problem := failure()) or time.monotonic() > deadline:
+            raise PeerError(where, problem or f"not done after {timeout_s:g} s (--timeout): a peer died or hangs")
+        time.sleep(poll_s)
+    if problem := failure():  # a failed collective can let the device pass it, with garbage in its buffer
+        raise PeerError(where, problem)
+
+
+def crash_due(spec: str, rank: int, event: str) -> bool:
+    """Is --crash-at `spec` asking process `rank` to die at `event` ("step:N", "save:N")? A "rank:R:..." spec
+    names one rank, and only in a launcher's first attempt, so that a restarted job runs through."""
+    if spec.startswith("rank:"):
+        _, who, spec = spec.split(":", 2)
+        if int(who) != rank or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+            return False
+    return spec == event

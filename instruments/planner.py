@@ -18,12 +18,18 @@ plus its operands' bytes at memory bandwidth), so a large tp or a small micro-ba
 the per-GPU matmuls, also slow them. One number is fitted: matmul_eff, 0.73 of peak, from Narayanan
 et al. 2021's table 1, which plan() then reproduces within 6% (tests/test_plan.py); GPT-3's 34 days
 come out within 4%. Lessons 10 and 12 use it to choose layouts.
+
+The hardware tables live here too: GPUS, what plan() needs of a GPU and its links, and GPU_PEAKS with
+`peak_flops`, the denominator of every MFU a run measures (reports.MFU; on a CPU a measured matmul).
 """
 
+import time
 from dataclasses import dataclass
 
+import torch
+
 import model as gpt
-from formulas import activation_bytes
+from instruments.formulas import activation_bytes
 from parallel import LayoutError
 
 
@@ -57,6 +63,57 @@ HEADROOM = 0.75  # the share of a GPU's memory a plan may fill: the rest is for 
 LINK_EFFICIENCY = 0.77  # a ring collective's bus bandwidth / the link's datasheet rate (nccl-tests, 8 A100s:
 #                         ~230 of 300 GB/s)
 BUCKET_BYTES = 25e6  # train.py's --bucket-mb: the last bucket is launched as the backward ends, never hidden
+
+
+# ----------------------------------------------------------------------------- the hardware, measured against
+
+
+GPU_PEAKS = {"H200": (989e12, 67e12), "H100": (989e12, 67e12), "A100": (312e12, 19.5e12),
+             "L40S": (362e12, 91.6e12), "A10": (125e12, 31.2e12), "4090": (165e12, 82.6e12),
+             "3090": (71e12, 35.6e12), "V100": (125e12, 15.7e12), "T4": (65e12, 8.1e12)}
+
+
+def peak_flops(device: torch.device, precision: str) -> float:
+    """Peak dense FLOP/s, the denominator of MFU: the datasheet's for a GPU in the precision the matmuls
+    really run in; a measured fp32 matmul rate on CPU."""
+    if device.type == "cuda":
+        half, single = GPU_PEAKS[_peak_row(device) or "A100"]
+        if precision != "fp32":
+            return half
+        return half / 2 if torch.get_float32_matmul_precision() != "highest" else single  # TF32, or not
+    return measured_matmul_flops()
+
+
+def _peak_row(device: torch.device) -> str | None:
+    """The row of GPU_PEAKS whose key is in this GPU's name, if any."""
+    name = torch.cuda.get_device_name(device)
+    return next((k for k in GPU_PEAKS if k in name), None)
+
+
+def unknown_gpu(device: torch.device) -> str | None:
+    """The line train.py logs when MFU's denominator is a stand-in: a GPU whose name is not in GPU_PEAKS."""
+    if device.type != "cuda" or _peak_row(device):
+        return None
+    return (f"note: {torch.cuda.get_device_name(device)} is not in planner.GPU_PEAKS, so MFU is measured "
+            "against an A100's peak; add its datasheet numbers there")
+
+
+def measured_matmul_flops(n: int = 1024, seconds: float = 0.3) -> float:
+    """This CPU's fp32 matmul rate: the best a well-shaped matmul achieves here. The fastest of the
+    calls made in `seconds`, not their mean, so that a busy moment on a shared machine cannot lower
+    the bar that a training step is measured against."""
+    gen = torch.Generator().manual_seed(0)  # its own stream: the run's RNG state is left alone
+    a, b = torch.randn(n, n, generator=gen), torch.randn(n, n, generator=gen)
+    a @ b
+    fastest, end = float("inf"), time.perf_counter() + seconds
+    while (t0 := time.perf_counter()) < end:
+        a @ b
+        fastest = min(fastest, time.perf_counter() - t0)
+    return 2 * n**3 / fastest
+
+
+
+# ----------------------------------------------------------------------------- a run on paper
 
 
 def intensity(m: float, k: float, n: float) -> float:

@@ -1,7 +1,7 @@
 """The dashboard: out/report.html, one page that shows a run while it trains.
 
     python train.py ...            # writes out/report.html as it goes: open it in a browser
-    python dashboard.py out        # (re)write it from out/metrics.jsonl, e.g. for a finished or killed run
+    python -m instruments.dashboard out   # (re)write it from out/metrics.jsonl (a finished or killed run)
 
 Why a picture. A large run goes wrong quietly. The essays this project grew from (Chinese engineering
 write-ups on why large-model training is hard) keep coming back to it: a loss spike is found by
@@ -51,8 +51,9 @@ import sys
 import time
 from pathlib import Path
 
-import rundir
-from cli import OneLineParser
+from parallel import Observer
+from support import rundir
+from support.cli import OneLineParser
 
 WRITE_EVERY_S = 5.0  # between evaluations the page is rewritten at most this often
 RELOAD_S = 5  # a live page reloads itself this often...
@@ -135,8 +136,9 @@ def write(out: Path, data: dict) -> Path:
     return path
 
 
-class Report:
-    """The training loop's handle on the page (rank 0 writes; the others hold a disabled one)."""
+class Report(Observer):
+    """The training loop's handle on the page (rank 0 writes; the others hold a disabled one): redrawn once
+    a step's line is written (at once after an evaluation, else every few seconds) and when the run ends."""
 
     def __init__(self, out: Path, enabled: bool, about: dict):
         self.out, self.enabled, self.about, self.last, self.failed = out, enabled, about, 0.0, False
@@ -154,6 +156,12 @@ class Report:
                 print(f"warning: could not write {self.out / 'report.html'}: {e}", flush=True)
             self.failed = True
 
+    def step_written(self, row: dict) -> None:
+        self.update(now="val_loss" in row)
+
+    def run_end(self, status: str) -> None:
+        self.update(now=True, status="finished" if status == "finished" else "stopped")
+
 
 def previous_about(path: Path) -> dict:
     """The header the training run wrote into an existing page (its flags are not in metrics.jsonl)."""
@@ -166,8 +174,9 @@ def previous_about(path: Path) -> dict:
 
 
 def main(argv=None) -> None:
-    p = OneLineParser(prog="python dashboard.py", description="(Re)write OUT/report.html from OUT/metrics.jsonl: "
-                      "the dashboard a training run keeps up to date, for a run that is over (or was killed).")
+    p = OneLineParser(prog="python -m instruments.dashboard", description="(Re)write OUT/report.html from "
+                      "OUT/metrics.jsonl: the dashboard a training run keeps up to date, for a run that is over (or "
+                      "was killed).")
     p.add_argument("out", help="a run directory (train.py --out)")
     args = p.parse_args(argv)
     out = Path(args.out)

@@ -38,7 +38,7 @@ import socket
 import time
 from pathlib import Path
 
-from storage import fsync_dir, replace_atomically
+from support.storage import fsync_dir, replace_atomically
 
 
 class RunDirError(ValueError):
@@ -118,6 +118,27 @@ def lock(out: Path) -> Lock:
     for as long as the run trains."""
     out.mkdir(parents=True, exist_ok=True)
     return Lock(out)
+
+
+def claim_on_every_rank(out: Path, fresh: bool, grid, log=print) -> tuple[Lock | None, str]:
+    """Rank 0 locks --out and settles which run it holds (`lock`, `claim`); every rank learns the outcome
+    (`grid`, a parallel.Grid, agrees), so a refused launch stops everywhere at once instead of leaving
+    ranks waiting. Returns (rank 0's lock, the run's id)."""
+    held, problem = None, ""
+    if grid.rank == 0:
+        try:
+            held = lock(out)
+            claim(out, fresh, log=log)
+        except RunDirError as e:
+            problem = str(e)
+    raise_on_every_rank(grid, problem, "rank 0 could not claim --out (its error says why)")
+    return held, read_run_id(out)
+
+
+def raise_on_every_rank(grid, problem: str, elsewhere: str) -> None:
+    """Raise rank 0's `problem` as a RunDirError on every rank (`elsewhere` on the others), or nothing."""
+    if not grid.agree(not problem):
+        raise RunDirError(problem or elsewhere)
 
 
 # The files that make up a run, in the order --fresh moves them: run.json last.

@@ -1,4 +1,7 @@
-"""Hugging Face GPT-2: start a run from their weights (`--init-from`), hand ours back (`export-hf`).
+"""Hugging Face GPT-2: start a run from their weights (`--init-from`), hand ours back (`export`).
+
+    python train.py --init-from DIR ...                        # train.py's main asks `start` for the weights
+    python -m instruments.hf export out/ckpt out/hf            # a checkpoint of any layout, as a HF directory
 
 A Hugging Face GPT-2 model directory holds two files:
 
@@ -28,14 +31,18 @@ takes the full fp32 tensors that `checkpoint.consolidate` rebuilds from a checkp
 the differences above, and writes a directory that `transformers.GPT2LMHeadModel.from_pretrained` loads.
 """
 
+import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
 
+import checkpoint
+from instruments.checkpoints import find_checkpoint
 from model import canonical_name
 from shard import take_shard
-from storage import CheckpointError, read_safetensors, replace_atomically, write_safetensors
+from support.storage import CheckpointError, read_safetensors, replace_atomically, write_safetensors
 
 # The weights Hugging Face stores transposed (Conv1D, (in, out)) relative to our nn.Linear ((out, in)).
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -92,6 +99,12 @@ def initial_values(model: torch.nn.Module, directory: Path):
     return value
 
 
+def start(directory: str | Path) -> tuple[dict, object]:
+    """--init-from: what train.setup takes, (the model's GPTConfig fields, model -> (p -> this rank's
+    slice of p's Hugging Face weight))."""
+    return hf_config(Path(directory)), lambda model: initial_values(model, Path(directory))
+
+
 def load_hf(model: torch.nn.Module, directory: Path) -> None:
     """Copy Hugging Face GPT-2 weights into this rank's (possibly sharded) model."""
     value = initial_values(model, directory)
@@ -118,3 +131,24 @@ def export_hf(weights: dict[str, torch.Tensor], manifest: dict, out_dir: Path) -
               "bos_token_id": eot, "eos_token_id": eot, "tie_word_embeddings": True,
               "nanoscale": {"tokenizer": tok, "step": manifest["step"]}}
     replace_atomically(out_dir / "config.json", json.dumps(config, indent=2))
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m instruments.hf", description="Hugging Face GPT-2 and nanoscale.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sp = sub.add_parser("export", help="write a checkpoint as a Hugging Face GPT2LMHeadModel directory")
+    sp.add_argument("path", help="a step_XXXXXXXX directory, or a ckpt/ directory (uses latest)")
+    sp.add_argument("dir", help="output directory (config.json + model.safetensors)")
+    args = p.parse_args(argv)
+    try:
+        path = find_checkpoint(args.path)
+        reader = checkpoint.pin(path)
+        export_hf(checkpoint.consolidate(reader), reader.manifest, Path(args.dir))
+        print(f"wrote a Hugging Face GPT-2 model from {path} to {args.dir}")
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""What stands on the reference: the timeline, statistics, reports, dashboard, formulas, planner, HF import/export."""

@@ -1,0 +1,97 @@
+"""Checkpoints from the command line: what one holds, checked file by file, and the full model out of it.
+
+    python -m instruments.checkpoints inspect out/ckpt            # verify every byte, list every tensor
+    python -m instruments.checkpoints consolidate out/ckpt m.pt   # the full fp32 model, from any layout
+
+A path is a step_XXXXXXXX directory or a ckpt/ directory (the checkpoint its `latest` names). `inspect`
+checks what a reader checks (checkpoint.pin: the manifest's own sha256 and schema, then every file's size
+and sha256), but reports every problem instead of stopping at the first, and exits 2 if there was one.
+`consolidate` is checkpoint.consolidate written to one torch file. (To a Hugging Face directory:
+`python -m instruments.hf export`.)
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+import checkpoint
+from support import storage
+from support.storage import CheckpointError, CorruptCheckpoint
+
+
+def inspect(path: Path) -> tuple[str, bool]:
+    """A report of a checkpoint: the manifest's own check, every file's check, every tensor; and
+    whether all of it verified."""
+    try:
+        manifest = storage.read_manifest(path)
+    except CorruptCheckpoint as e:
+        return f"{path}: BROKEN manifest: {e}", False
+    broken = []
+    lines = [f"{path}: step {manifest['step']} of run {manifest['run']}, layout {manifest['layout']}",
+             f"tokenizer {manifest['meta'].get('tokenizer')}, model {manifest['meta'].get('model')}", "",
+             f"  manifest.json     ok: its own sha256 {manifest['sha256'][:16]}... and schema check"]
+    for name, info in manifest["files"].items():
+        try:
+            storage.verify_file(path / name, info)
+            status = f"ok: sha256 {info['sha256'][:16]}..."
+        except CorruptCheckpoint as e:
+            broken.append(name)
+            status = f"BROKEN: {e}"
+        lines.append(f"  {name:<22} {info['bytes'] / 1e6:9.2f} MB  {status}")
+    lines.append(f"  all {len(manifest['files'])} files verified" if not broken else
+                 f"  {len(broken)} of {len(manifest['files'])} files BROKEN: {', '.join(broken)}")
+    lines.append("")
+    lines.append(f"  {'tensor':<44} {'full shape':<16} {'dtype':<9} {'file':<22} slice")
+    for e in manifest["tensors"]:
+        spec = e["shard"]
+        where = "whole" if spec is None else f"dim {spec['dim']} part {spec['index'] + 1}/{spec['count']}"
+        if e["flat"]:
+            where += f", elements [{e['flat'][0]}, {e['flat'][1]})"
+        lines.append(f"  {e['name']:<44} {str(tuple(e['full_shape'])):<16} {e['dtype']:<9} {e['file']:<22} {where}")
+    return "\n".join(lines), not broken
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m instruments.checkpoints",
+                                description="Inspect and consolidate nanoscale checkpoints.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sp = sub.add_parser("inspect", help="verify a checkpoint (manifest and files) and print what it holds")
+    sp.add_argument("path", help="a step_XXXXXXXX directory, or a ckpt/ directory (uses latest)")
+    sp = sub.add_parser("consolidate", help="write the full model (any layout) to one torch file")
+    sp.add_argument("path", help="a step_XXXXXXXX directory, or a ckpt/ directory (uses latest)")
+    sp.add_argument("file", help="output .pt file: {parameter name: full fp32 tensor}")
+    args = p.parse_args(argv)
+    try:
+        path = find_checkpoint(args.path)
+        if args.cmd == "inspect":
+            text, ok = inspect(path)
+            print(text)
+            if not ok:
+                raise CorruptCheckpoint(f"{path} is unusable (see above)")
+        else:
+            weights = checkpoint.consolidate(path)
+            torch.save(weights, args.file)
+            print(f"wrote {len(weights)} tensors ({sum(t.numel() for t in weights.values()):,} parameters) "
+                  f"from {path} to {args.file}")
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """A checkpoint directory, or the one `latest` points to in a ckpt/ directory."""
+    path = Path(path)
+    if (path / "latest").is_file():
+        try:
+            return path / (path / "latest").read_text().strip()
+        except (OSError, UnicodeDecodeError):
+            raise CheckpointError(f"{path / 'latest'} is unreadable; name a step_XXXXXXXX directory instead") from None
+    if not (path / "manifest.json").exists():
+        raise CheckpointError(f"{path} is neither a checkpoint nor a ckpt/ directory with a `latest` pointer")
+    return path
+
+
+if __name__ == "__main__":
+    main()

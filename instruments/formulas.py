@@ -1,0 +1,195 @@
+"""What the papers predict: the formulas every report of this codebase holds a measurement to.
+
+    traffic    the bytes each collective should move in a step (Megatron's 4 activations per
+               layer, one activation per micro-batch between stages, the gradient volume by ZeRO
+               stage) — reports.py puts them beside the bytes `Grid` counted (--comm-report)
+    memory     weights, gradients and optimizer state against ZeRO's 2Ψ + 2Ψ + 12Ψ (each / dp from
+               its stage on); saved activations, activation_bytes, the one activation model
+               (flash-aware, by --recompute) that planner.plan(), --memory-report and the lessons
+               use, with Korthikanti et al.'s s b h (34 + 5 a s / h) beside it
+
+Nothing here measures or prints: reports.py measures and says, planner.py works a whole run out on
+paper, and lessons 07-14 check their arithmetic with these. (The pipeline's bubble, (p-1)/(v m + p-1),
+is pipeline.py's: the schedules' own simulator checks it.)
+"""
+
+from collections import defaultdict
+
+import torch
+
+import gradients
+import model as gpt
+from gradients import GradSync
+from parallel import Grid
+from shard import rank_layers
+from zero import ZeroAdamW
+
+# ----------------------------------------------------------------------------- traffic
+
+
+def expected_traffic(cfg: gpt.GPTConfig, grid: Grid, micro_batch: int, n_micro: int, seq_len: int,
+                     sync: GradSync | None, model: torch.nn.Module) -> dict:
+    """Bytes this rank's collectives should move in one fp32 training step, by (op, group), from
+    the formulas: Megatron's 2 all-reduces forward + 2 backward per layer of B*T*C activations
+    (all-gather + reduce-scatter of the same volume under --sp), one activation send per
+    micro-batch each way between pipeline stages (interleaved: one per chunk, p v - 1 boundaries
+    in all instead of p - 1), and the data-parallel gradient volume. Under
+    --recompute full the backward runs each block's forward again, collectives included (Megatron's
+    full recomputation costs 2 more all-reduces per layer); the selective kind recomputes only the
+    attention core, which communicates nothing, except under context parallelism (context_traffic).
+    A context-parallel rank holds seq_len / cp tokens of every activation."""
+    e, sp = defaultdict(int), grid.sp
+    first, last = grid.first_stage, grid.last_stage
+    layers = sum(len(chunk) for chunk in rank_layers(cfg.n_layer, grid.pp, grid.vp, grid.pp_rank))
+    seq_len //= grid.cp
+    btc, bt = micro_batch * seq_len * cfg.n_embd * 4, micro_batch * seq_len * 4
+    if grid.tp > 1:
+        per_micro = defaultdict(int)
+        again = 2 * layers * btc if cfg.recompute == "full" else 0  # the backward re-runs the forward's pairs
+        if sp:
+            per_micro[("all_gather", "tp")] += 4 * layers * btc + again + (btc if first else 0) + (btc if last else 0)
+            per_micro[("reduce_scatter", "tp")] += 4 * layers * btc + again + (btc if last else 0)
+        else:
+            per_micro[("all_reduce", "tp")] += 4 * layers * btc + again + (btc if last else 0)
+        per_micro[("all_reduce", "tp")] += (btc if first else 0) + (3 * bt if last else 0)
+        for k, v in per_micro.items():
+            e[k] += n_micro * v
+        if sp:  # LayerNorm and row-parallel bias gradients (under ZeRO, this rank's pieces), once per step
+            partial = (g.numel() for g in gradients.sequence_parallel_grads(model, sync)) if sync and sync.zero \
+                else (p.numel() for p in model.parameters() if getattr(p, "sequence_parallel", False))
+            e[("all_reduce", "tp")] += 4 * sum(partial)
+    if grid.pp > 1:
+        act = btc // grid.tp if sp else btc
+        # every chunk sends its output on and its input's gradient back, except at the two ends
+        e[("send", "pp")] += n_micro * act * (2 * grid.vp - last - first)
+        if first or last:
+            e[("all_reduce", "embed")] += 4 * (gradients.tied_grad(model, grid, sync).numel() if sync and sync.zero
+                                               else cfg.padded_vocab // grid.tp * cfg.n_embd)
+    if grid.cp > 1:
+        for k, v in context_traffic(grid, layers * btc // grid.tp, cfg.recompute).items():
+            e[k] += n_micro * v
+    if sync is not None and grid.dp_cp > 1:
+        e.update(zero_traffic(sync, n_micro, next(model.parameters()).element_size()))
+    for group in ("tp", "pp") + (("dp_cp",) if sync is not None and sync.zero else ()):
+        if grid.size(group) > 1:
+            e[("all_reduce", group)] += 4  # the squared gradient norm
+    for group in ("pp", "dp_cp"):
+        if grid.size(group) > 1:
+            e[("all_reduce", group)] += 4  # the loss, for logging and the guards
+    return {(op, grid.label(group)): v for (op, group), v in e.items()}
+
+
+def context_traffic(grid: Grid, act: int, recompute: str) -> dict:
+    """Bytes one micro-batch's context-parallel attention sends from this rank, `act` being the bytes of
+    one (b, s/cp, h/tp) activation summed over this stage's layers (context.py's docstring):
+        ring     forward: cp-1 hops of K and V (2 act each); backward: cp-1 hops of K and V, and cp hops
+                 of dK and dV (fp32, the last one home)
+        ulysses  forward: an all-to-all of q, k, v (3 act) and one of the output (act); backward the same
+    Recomputation (either kind) runs the attention core's forward once more in the backward."""
+    again = recompute != "none"
+    if grid.cp_attn == "ulysses":
+        return {("all_to_all", "cp"): (2 + again) * 4 * act}
+    hops = grid.cp - 1
+    return {("send", "cp"): (1 + again) * hops * 2 * act + (hops + grid.cp) * 2 * act}
+
+
+def zero_traffic(sync: GradSync, n_micro: int, weight_bytes: int) -> dict:
+    """The data-parallel bytes of one step (over the dp x cp ranks), by ZeRO stage, for Ψ parameters in
+    fp32 gradient buckets (padded to dp shards under ZeRO) and weights of `weight_bytes` each:
+        0  all-reduce 4Ψ, once per step
+        1  reduce-scatter 4Ψ once, all-gather the new weights once: the same ring bytes as stage 0
+        2  reduce-scatter 4Ψ every micro-batch (nothing is held whole), all-gather once
+        3  reduce-scatter 4Ψ, and all-gather the weights twice (forward, backward), every micro-batch:
+           with one micro-batch and 4-byte weights 12Ψ against stage 0's 8Ψ, ZeRO's 1.5x"""
+    if not sync.zero:
+        return {("all_reduce", "dp_cp"): 4 * sum(b.numel for b in sync.buckets)}
+    padded = sum(b.padded for b in sync.buckets)
+    reduces = 1 if sync.zero == 1 else n_micro
+    gathers = 2 * n_micro if sync.zero == 3 else 1
+    return {("reduce_scatter", "dp_cp"): reduces * 4 * padded, ("all_gather", "dp_cp"): gathers * weight_bytes * padded}
+
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def state_formula(model: torch.nn.Module, opt, sync: GradSync | None, grid: Grid) -> dict[str, tuple[float, str]]:
+    """ZeRO's formulas (section 5, figure 1) in this codebase's bytes: weights of P bytes (the
+    parameter dtype), fp32 gradients (4; without data parallelism, p.grad in the weights' dtype) and
+    K = 12 bytes of optimizer state (fp32 master, exp_avg, exp_avg_sq; torch's AdamW on fp32 weights
+    keeps only the moments, K = 2P). Ψ is this rank's parameters (tensor/pipeline parallelism already
+    divided them), padded to N equal shards under ZeRO; N = dp (times cp: context-parallel ranks hold
+    replicas too)."""
+    zero, n = (sync.zero if sync is not None else 0), grid.dp_cp
+    P = next(model.parameters()).element_size()
+    psi = sum(b.padded for b in sync.buckets) if zero else sum(p.numel() for p in model.parameters())
+    G = 4 if sync is not None else P
+    K = 12 if isinstance(opt, ZeroAdamW) else 2 * P
+
+    def term(bytes_, sharded):
+        return (bytes_ * psi / (n if sharded else 1), f"{bytes_}Ψ" + ("/N" if sharded else ""))
+
+    return {"weights": term(P, zero >= 3), "gradients": term(G, zero >= 2), "optimizer": term(K, zero >= 1)}
+
+
+def activation_bytes(seq_len: int, micro_batch: int, d_model: int, n_head: int, tp: int = 1, sp: bool = False,
+                     recompute: str = "none", attn: str = "flash", act_bytes: int = 2, mask_bytes: int = 1,
+                     dropout: float = 0.0, norm_bytes: int | None = None) -> float:
+    """The activation-memory model of this codebase: bytes one layer of `model.py` saves for its
+    backward, per micro-batch, on one tensor-parallel rank. `plan()`, `--memory-report` and the
+    lessons all use it (measured on the tiny model: SavedActivations, tests/test_model.py). In
+    elements of `act_bytes`, per layer:
+        the two LayerNorms' inputs, of `norm_bytes` each (see below)                  2 s b h   (/t under SP)
+        their outputs, as c_attn and c_fc keep them (under SP: after the all-gather)    2 s b h
+        q, k, v (the attention's saved input) 3, the attention output (c_proj's input,
+        the same buffer) 1, GELU's input 4 and output 4 (the MLP is 4h wide)         12 s b h / t
+        the softmax probabilities, math backend only (flash kernels keep none)        a s^2 b / t
+        dropout masks (dropout > 0), two residual dropouts of `mask_bytes` per element   2 s b h   (/t under SP)
+          (CUDA's fused dropout keeps a 1-byte mask; the CPU's keeps it in the activations' dtype)
+    So in bf16 with a flash kernel and no dropout, 32 s b h bytes (16 elements), whatever the
+    sequence length. A LayerNorm keeps its input in the residual stream's dtype, which is the
+    parameters' (fp32 unless ZeRO keeps them in 16 bits: the embedding starts the stream), and on CUDA
+    always in fp32, where autocast runs layer_norm in fp32 and it keeps the fp32 copy it was given:
+    `norm_bytes` (default `act_bytes`). `recompute`:
+        none       all of the above
+        selective  drops the probabilities (and the kernels' logsumexp): with a flash kernel that is
+                   all it can drop, so it saves nothing here but costs nearly nothing either
+        full       keeps the block input alone: s b h (/t under SP), a factor of 16 on the flash path
+                   (and in the backward one layer at a time is rebuilt whole: plan() adds that one)
+    Korthikanti et al.'s accounting (korthikanti_bytes) differs in two places: it stores the s x s
+    matrix three times over (5 a s / h: probabilities, dropout mask, dropped probabilities), which no
+    flash kernel keeps; and under SP Megatron-LM keeps the column-parallel inputs sequence-sharded and
+    all-gathers them again in the backward, 2 s b h (1 - 1/t) less than here (not done here). What
+    LayerNorm and the kernels keep per row (mean, rstd, logsumexp: (4 + a/t) s b floats) is under 1%
+    at these widths and is left out."""
+    s, b, h, a, t = seq_len, micro_batch, d_model, n_head, tp
+    replicated = s * b * h / t if sp else s * b * h  # what tensor parallelism alone does not split
+    if recompute == "full":
+        return replicated * act_bytes
+    saved = (norm_bytes or act_bytes) * 2 * replicated + act_bytes * (2 * s * b * h + 12 * s * b * h / t)
+    saved += act_bytes * a * s * s * b / t if attn == "math" and recompute != "selective" else 0
+    return saved + (2 * replicated * mask_bytes if dropout > 0 else 0)
+
+
+def korthikanti_bytes(seq_len: int, micro_batch: int, d_model: int, n_head: int, tp: int, sp: bool,
+                      recompute: str) -> float:
+    """Korthikanti et al. 2022 (section 4, table 2), 16-bit activations, 1-byte dropout masks: a layer
+    keeps s b h (34 + 5 a s / h) bytes per micro-batch; with tensor parallelism t, 10 + 24/t + 5as/(ht)
+    (the LayerNorm/dropout regions are replicated), with sequence parallelism all of it / t; selective
+    recomputation drops the 5as/h of the attention core; full keeps only the layer's input, 2sbh (/t
+    under SP). The reference `--memory-report` prints beside activation_bytes."""
+    s, b, h, a, t = seq_len, micro_batch, d_model, n_head, tp
+    if recompute == "full":
+        return 2 * s * b * h / (t if sp else 1)
+    scores = 0 if recompute == "selective" else 5 * a * s / h
+    return s * b * h * (34 + scores) / t if sp else s * b * h * (10 + 24 / t + scores / t)
+
+
+def activation_formula(cfg: gpt.GPTConfig, seq_len: int, micro_batch: int, tp: int, sp: bool, recompute: str,
+                       attn: str, act_bytes: int, mask_bytes: int = 1,
+                       norm_bytes: int | None = None) -> tuple[float, float]:
+    """(activation_bytes, korthikanti_bytes) of one layer of the model `cfg` describes, per micro-batch."""
+    ours = activation_bytes(seq_len, micro_batch, cfg.n_embd, cfg.n_head, tp, sp, recompute, attn, act_bytes,
+                            mask_bytes, cfg.dropout, norm_bytes)
+    return ours, korthikanti_bytes(seq_len, micro_batch, cfg.n_embd, cfg.n_head, tp, sp, recompute)
+

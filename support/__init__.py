@@ -1,0 +1,1 @@
+"""What the reference stands on: corpus ingestion, the tokenizer, bytes on disk, the run directory, the CLI."""
