@@ -1,6 +1,7 @@
-"""Which part of the model a rank holds: one GPT, transformed, then materialized slice by slice.
+"""Which part of the model a rank holds: Megatron's tensor-parallel layers, and one GPT transformed by them
+and the other axes, then materialized slice by slice.
 
-    meta GPT (shapes, no memory) ─▶ tensor parallel: Column/Row/Vocab layers (parallel.py)
+    meta GPT (shapes, no memory) ─▶ tensor parallel: Column/Row/Vocab layers (below)
                                  ─▶ context parallel: ring or Ulysses attention cores (context.py)
                                  ─▶ pipeline parallel: keep this stage's blocks (keep_stage)
                                  ─▶ materialize: each parameter's slice of its (seed, name) value
@@ -10,7 +11,8 @@
 (DESIGN.md, principles 1 and 2). Every tensor that is split records how (`shard`: split dim `dim`
 into `count` parts, within `groups` blocks, keep `index`); `take_shard` cuts that slice out of a full
 tensor and `unshard` puts the slices back, which is how checkpoints and Hugging Face weights cross
-layouts. `check_layout` refuses what cannot be split, before anything is built.
+layouts. `check_layout` refuses what cannot be split, before anything is built. The grid the layers talk
+through, and its collectives, are parallel.py's.
 """
 
 import torch
@@ -109,11 +111,11 @@ def split_to_sp(x, grid):  # into the sequence-parallel region: keep this rank's
     return Conjugate.apply(x, grid, split_seq, gather_seq)
 
 
-# torch.compile and the collectives. Traced, the collectives' Python (Grid's counting and timing, the
+# torch.compile and the collectives. Traced, the collectives' Python (Grid's counting, the observer, the
 # process group) would cut every block into several graphs. So each runs as one operator, tp_collective
 # (a torch.library custom op, as kernels.py's attention is): the compiler sees a call with known output
 # shapes and keeps the block one graph; the call runs the Python above at run time, every time, so Grid
-# counts and times each collective, compiled or not.
+# counts each collective (and its observer sees it), compiled or not.
 
 TP_COLLECTIVES = {fn.__name__: fn for fn in (all_reduce_tp, gather_seq, reduce_scatter_seq, split_seq)}
 

@@ -131,10 +131,6 @@ class Run:
     def autocast(self):
         return self.precision.autocast(self.device)
 
-    @property
-    def observer(self) -> parallel.Observer:
-        return self.grid.observer
-
     def state_dict(self) -> dict:
         """Where the run is, beyond the weights and the optimizer: what a checkpoint stores as `extra`."""
         return {"step": self.step, "scaler": self.scaler.state_dict(), "loader": self.loader.state_dict(),
@@ -273,10 +269,10 @@ def accumulate(run: Run, micro: list[torch.Tensor], train: bool, scale: float = 
     for i, mb in enumerate(micro):
         if run.sync is not None:  # communicate only during the last micro-batch's backward
             run.sync.require_backward_grad_sync = i == len(micro) - 1
-        with run.observer.span("F"), run.autocast:
+        with run.grid.observer.span("F"), run.autocast:
             _, loss = run.model(mb[:, :-1], mb[:, 1:])
         if train:
-            with run.observer.span("B"):
+            with run.grid.observer.span("B"):
                 (loss * (scale / len(micro))).backward()
         total += loss.detach().float() / len(micro)
     return total
@@ -289,7 +285,7 @@ def train_step(run: Run) -> dict:
     update is queued, so a GPU never idles mid-step waiting for the host to decide."""
     cfg, lr = run.cfg, stability.lr_at(run.step, run.cfg)
     run.grid.traffic.reset()  # count this step's bytes only
-    run.observer.step_begin(run.step + 1)
+    run.grid.observer.step_begin(run.step + 1)
     batch_number, batch = next_batch(run)
     local_loss = forward_backward(run, batch)
     gradients.finish_grads(run.model, run.grid, run.sync)
@@ -297,7 +293,7 @@ def train_step(run: Run) -> dict:
     grads = gradients.local_grads(run.model, run.sync)
     run.scaler.unscale_(grads)
     norm = gradients.grad_norm(run.model, run.grid, run.sync)
-    run.observer.after_grads()  # before clipping: the gradients as the backward made them
+    run.grid.observer.after_grads()  # before clipping: the gradients as the backward made them
     finite_loss, finite = torch.isfinite(loss), torch.isfinite(norm)
     spike = finite_loss & run.guard.is_spike(loss)
     stability.clip_(grads, norm, cfg.clip)  # whatever the outcome: a skipped step's gradients are dropped
@@ -305,7 +301,7 @@ def train_step(run: Run) -> dict:
         group["lr"] = lr
     run.saver.fence()  # the weights change now: a checkpoint copy still in flight must finish first
     run.opt.found_inf = (~(finite_loss & finite & ~spike)).float()  # 1: the optimizer leaves everything as is
-    with run.observer.span("O"):
+    with run.grid.observer.span("O"):
         run.opt.step()
     # the step's one read of the device, once the update is queued (on NCCL a bounded wait: a dead peer is exit 3)
     run.grid.wait_for_device()
@@ -313,7 +309,7 @@ def train_step(run: Run) -> dict:
     updated = finite_loss and finite and not spike
     if updated:
         run.guard.record(loss)
-    run.observer.after_update(updated)  # the update is done; the gradients are still there
+    run.grid.observer.after_update(updated)  # the update is done; the gradients are still there
     if not spike:
         run.scaler.update(overflow=not finite)
     if run.sync is not None:  # gradients live in its buckets (ZeroAdamW.zero_grad is this too)
@@ -411,7 +407,7 @@ def restore(run: Run, announce: bool) -> bool:
     run.saved_step = run.step
     if announce:
         run.log(f"resuming from {path} (step {run.step})")
-        run.observer.resumed(manifest)  # (reports.py says which flags changed, and what that does)
+        run.grid.observer.resumed(manifest)  # (reports.py says which flags changed, and what that does)
         for line in data_changes(run, manifest["meta"]):
             run.log(line)
     return True
@@ -459,7 +455,7 @@ def train(run: Run, stop: interrupt.Stop) -> dict:
                 dt = time.perf_counter() - t0
                 step_times = (step_times + [dt])[-20:]
                 row["tokens_per_sec"] = tokens_per_step / dt
-                run.observer.step_end(row)  # instruments add what they measured (mfu, comm_s) and report
+                run.grid.observer.step_end(row)  # instruments add what they measured (mfu, comm_s) and report
                 if run.device.type == "cuda":  # the most this rank's step held (tests/bench.py measures CPUs)
                     row["peak_mem_gb"] = torch.cuda.max_memory_allocated(run.device) / 1e9
                     torch.cuda.reset_peak_memory_stats(run.device)
@@ -470,14 +466,14 @@ def train(run: Run, stop: interrupt.Stop) -> dict:
                 log_saves(run, step_times)
                 last = row
         except BaseException:
-            run.observer.run_end("failed")
+            run.grid.observer.run_end("failed")
             raise
         finally:
             run.saver.wait()  # never exit with a save half-done
     log_saves(run, step_times)
     if stopped:
         run.metrics.log(event="stop", signal=signal.Signals(stopped).name, step=run.step)
-    run.observer.run_end("stopped" if stopped else "finished")
+    run.grid.observer.run_end("stopped" if stopped else "finished")
     if stopped:
         raise interrupt.Stopped(stopped, run.step)
     return last
@@ -493,7 +489,7 @@ def after_step(run: Run, row: dict, bar) -> None:
         if run.grid.is_logger:
             bar.write(f"step {run.step} val {row['val_loss']:.3f}" + (f" | sample: {text!r}"[:400] if text else ""))
     run.metrics.log(**row)
-    run.observer.step_written(row)
+    run.grid.observer.step_written(row)
     bar.update(1)
     bar.set_postfix(loss=f"{row['loss']:.3f}", lr=f"{row['lr']:.1e}", tok_s=f"{row['tokens_per_sec']:.0f}",
                     **({"mfu": f"{row['mfu']:.1%}"} if "mfu" in row else {}),
@@ -516,7 +512,7 @@ def log_saves(run: Run, step_times: list[float]) -> None:
     for done in run.saver.pop_finished():
         done["step_s"] = median(step_times) if step_times else float("nan")
         run.metrics.log(event="checkpoint", **done)
-        run.observer.saved(done)
+        run.grid.observer.saved(done)
 
 
 def roll_back(run: Run, row: dict, bar) -> None:

@@ -44,6 +44,28 @@ def corpus(tmp_path_factory) -> dict:
     return {"data": str(root / "corpus.txt"), "cache": str(root / "cache")}
 
 
+@pytest.fixture(scope="session")
+def gpu_corpus(tmp_path_factory) -> dict:
+    """~2 MB of the standard library (about 0.5M GPT-2 tokens) and a cache holding the GPT-2 tokenizer, for
+    training on a GPU with its defaults (tests/test_gpu.py)."""
+    from support import tokenizer
+
+    ranks = tokenizer.DEFAULT_CACHE_DIR / tokenizer.GPT2_FILE
+    assert ranks.exists(), f"{ranks} is missing: run `python data.py --fetch-tokenizer` (the README's set-up)"
+    root = tmp_path_factory.mktemp("gpu_corpus")
+    (root / "cache").mkdir()
+    (root / "cache" / tokenizer.GPT2_FILE).write_bytes(ranks.read_bytes())
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    text, size = [], 0
+    for f in files:
+        if size > 2_000_000:
+            break
+        text.append(f.read_text(errors="replace"))
+        size += len(text[-1])
+    (root / "corpus.txt").write_text("\n\n".join(text))
+    return {"data": str(root / "corpus.txt"), "cache": str(root / "cache")}
+
+
 def train_command(corpus: dict, out: Path, *flags: str, nproc: int = 1, tiny: bool = True) -> list[str]:
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] \
         if nproc > 1 else [sys.executable]

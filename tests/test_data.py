@@ -115,7 +115,8 @@ def test_a_signature_depends_only_on_its_document():
         sig = dedup.signatures([docs[i] for i in order])
         assert all(np.array_equal(sig[k], alone[i]) for k, i in enumerate(order))
     assert len({s.tobytes() for s in alone}) == 6
-    code = "import sys, dedup; sys.stdout.write(dedup.signature(sys.stdin.read()).astype('<u4').tobytes().hex())"
+    code = ("import sys; from support import dedup; "
+            "sys.stdout.write(dedup.signature(sys.stdin.read()).astype('<u4').tobytes().hex())")
     for seed in ("1", "2"):  # in other processes, whatever Python's string hashing is salted with
         out = subprocess.run([sys.executable, "-c", code], input=docs[0], capture_output=True, text=True, cwd=ROOT,
                              env={**os.environ, "PYTHONHASHSEED": seed}, check=True).stdout

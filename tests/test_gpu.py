@@ -20,8 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parent.parent
+from conftest import ROOT, final_weights
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 needs_2_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")  # a process group of 2
@@ -231,31 +230,8 @@ def test_backend_choice_on_this_gpu():
 
 # ----------------------------------------------------------------------------- training on the GPU
 # train.py as a user runs it on a GPU machine: its CUDA defaults (gpt2 preset, bf16, our kernel, compiled
-# blocks, fused AdamW), a corpus of GPT-2 tokens, the real tokenizer (fetched by the README's set-up
-# command; nothing here reaches the network).
-
-
-@pytest.fixture(scope="module")
-def gpu_corpus(tmp_path_factory) -> dict:
-    """~2 MB of the standard library (about 0.5M GPT-2 tokens) and a cache holding the GPT-2 tokenizer."""
-    import sysconfig
-
-    from support import tokenizer
-
-    ranks = tokenizer.DEFAULT_CACHE_DIR / tokenizer.GPT2_FILE
-    assert ranks.exists(), f"{ranks} is missing: run `python data.py --fetch-tokenizer` (the README's set-up)"
-    root = tmp_path_factory.mktemp("gpu_corpus")
-    (root / "cache").mkdir()
-    (root / "cache" / tokenizer.GPT2_FILE).write_bytes(ranks.read_bytes())
-    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
-    text, size = [], 0
-    for f in files:
-        if size > 2_000_000:
-            break
-        text.append(f.read_text(errors="replace"))
-        size += len(text[-1])
-    (root / "corpus.txt").write_text("\n\n".join(text))
-    return {"data": str(root / "corpus.txt"), "cache": str(root / "cache")}
+# blocks, fused AdamW), a corpus of GPT-2 tokens (conftest.gpu_corpus), the real tokenizer (fetched by the
+# README's set-up command; nothing here reaches the network).
 
 
 def train_on_gpu(corpus: dict, out: Path, *flags: str, check: bool = True,
@@ -273,16 +249,8 @@ def train_on_gpu(corpus: dict, out: Path, *flags: str, check: bool = True,
 
 
 def losses(out: Path) -> dict[int, float]:
-    import json
-
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in rows if "event" not in r}
-
-
-def weights(out: Path) -> dict:
-    import checkpoint
-
-    return checkpoint.consolidate(checkpoint.latest(out / "ckpt"))
 
 
 def test_the_default_run_trains_on_this_gpu(gpu_corpus, tmp_path):
@@ -323,7 +291,7 @@ def test_a_killed_run_resumes_bitwise_on_cuda(variant, gpu_corpus, tmp_path):
     resumed = train_on_gpu(gpu_corpus, tmp_path / "killed", *flags, "--async-ckpt")
     assert "resuming from" in resumed.stdout + resumed.stderr
     assert losses(tmp_path / "killed") == losses(tmp_path / "straight")
-    want, got = weights(tmp_path / "straight"), weights(tmp_path / "killed")
+    want, got = final_weights(tmp_path / "straight"), final_weights(tmp_path / "killed")
     for name, w in want.items():
         assert torch.equal(got[name], w), f"{variant}: {name} differs after the resume"
 
@@ -429,8 +397,6 @@ def test_zero3_start_up_on_two_gpus_holds_no_whole_model(gpu_corpus, tmp_path):
     assert result.returncode == 0, result.stderr[-4000:]
     for r in (json.loads(ln) for ln in result.stdout.splitlines() if ln.startswith("{")):
         assert r["peak"] <= r["shard"] + r["unit"] + 2**20, r  # the whole model in fp32: r["model"]
-
-
 
 
 # ----------------------------------------------------------------------------- NCCL, streams and syncs (issue 31)

@@ -21,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import ROOT
+from conftest import ROOT, metrics
 
 REFERENCE = ["model", "kernels", "lmhead", "parallel", "shard", "context", "pipeline", "gradients", "zero",
              "stability", "config", "checkpoint", "train"]  # README's reading order
@@ -147,8 +147,9 @@ def test_the_reading_path_lists_the_reference_with_true_line_counts():
 
 def test_a_fork_without_the_instruments_trains_in_every_layout(corpus, tmp_path):
     """Copy the repository, delete instruments/, and train there as a forker would: one process, tensor
-    parallel on 2, data parallel with ZeRO-1 on 2, with no flag that asks for an instrument; and the model
-    tests pass there. A flag that does ask for one is one line and exit 2, before any work."""
+    parallel on 2, data parallel with ZeRO-1 on 2, with no flag that asks for an instrument (the one-process
+    run bitwise the run of the whole repository); and the model tests pass there. A flag that does ask for
+    one is one line and exit 2, before any work."""
     fork = tmp_path / "fork"
     files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
                            capture_output=True, text=True, check=True).stdout.split()
@@ -168,6 +169,11 @@ def test_a_fork_without_the_instruments_trains_in_every_layout(corpus, tmp_path)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
         assert "instruments/ is not here" in done.stdout and "done: step 2" in done.stdout
         assert not (tmp_path / name / "report.html").exists()
+    whole = subprocess.run([sys.executable, "train.py", *base, "--out", str(tmp_path / "whole")], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=300)  # the same run, with the instruments
+    assert whole.returncode == 0 and (tmp_path / "whole" / "report.html").exists(), whole.stderr[-3000:]
+    numbers = lambda out: [(r["loss"], r["grad_norm"], r.get("val_loss")) for r in metrics(out)]
+    assert numbers(tmp_path / "one") == numbers(tmp_path / "whole")  # bit for bit
     refused = subprocess.run([sys.executable, "train.py", *base, "--out", str(tmp_path / "x"), "--comm-report"],
                              cwd=fork, env=env, capture_output=True, text=True, timeout=300)
     assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [

@@ -179,7 +179,7 @@ def test_a_full_disk_while_appending_metrics_is_one_line_and_no_half_line(corpus
 def test_metrics_log_cuts_a_partly_written_line(tmp_path):
     """In process, the unit under the test above: the part of a line that fit is cut off again."""
     path = tmp_path / "metrics.jsonl"
-    code = (f"import sys, resource, signal; sys.path.insert(0, {str(ROOT)!r}); import rundir\n"
+    code = (f"import sys, resource, signal; sys.path.insert(0, {str(ROOT)!r}); from support import rundir\n"
             "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
             f"m = rundir.Metrics(__import__('pathlib').Path({str(path)!r}), True, 0)\n"
             "m.log(step=1, loss=1.0)\n"
