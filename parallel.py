@@ -24,12 +24,14 @@ ring's messages overlap a pipeline's.
 
 The instruments' seam. `Observer` is a class of methods that do nothing, called at named points of a
 step: by Grid's wrapper around each collective, and by the loop (train.py) at the step's begin and end,
-after the gradients, after the update, around each compute span and after each checkpoint. The
-instruments (instruments/: the timeline, per-layer statistics, the reports, the dashboard) subclass it;
-a run attaches them to `Grid.observer` only when its flags ask for them, and nothing here imports one.
+after the gradients, after the update, around each compute span, after each checkpoint, on a resume and
+at the end. The instruments (instruments/: the timeline, per-layer statistics, the reports, the
+dashboard) subclass it; train.py's main attaches them to `Grid.observer` when that folder is there, and
+nothing here imports one.
 
 When a peer fails. gloo's calls return when the data has moved, and raise when a peer is gone or
---timeout passes: `peer_call` makes that one PeerError line (train.py: exit status 3). NCCL's calls
+--timeout passes: `peer_call` (support/interrupt.py) makes that one PeerError line (train.py: exit
+status 3). NCCL's calls
 return as soon as the GPU has the work, so nothing raises; its watchdog thread ends a collective that
 outlived --timeout and aborts its communicator (`connect` tells it not to end the process too), and
 the loop's one wait for the device per step, `Grid.wait_for_device`, is bounded and reads what the

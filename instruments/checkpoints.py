@@ -53,28 +53,41 @@ def inspect(path: Path) -> tuple[str, bool]:
     return "\n".join(lines), not broken
 
 
+PATH_HELP = "a step_XXXXXXXX directory, or a ckpt/ directory (uses latest)"
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m instruments.checkpoints",
                                 description="Inspect and consolidate nanoscale checkpoints.")
     sub = p.add_subparsers(dest="cmd", required=True)
-    sp = sub.add_parser("inspect", help="verify a checkpoint (manifest and files) and print what it holds")
-    sp.add_argument("path", help="a step_XXXXXXXX directory, or a ckpt/ directory (uses latest)")
+    sub.add_parser("inspect", help="verify a checkpoint (manifest and files) and print what it holds") \
+        .add_argument("path", help=PATH_HELP)
     sp = sub.add_parser("consolidate", help="write the full model (any layout) to one torch file")
-    sp.add_argument("path", help="a step_XXXXXXXX directory, or a ckpt/ directory (uses latest)")
+    sp.add_argument("path", help=PATH_HELP)
     sp.add_argument("file", help="output .pt file: {parameter name: full fp32 tensor}")
     args = p.parse_args(argv)
+    one_line_errors(lambda: show(find_checkpoint(args.path)) if args.cmd == "inspect" else
+                    consolidate(find_checkpoint(args.path), args.file))
+
+
+def show(path: Path) -> None:
+    text, ok = inspect(path)
+    print(text)
+    if not ok:
+        raise CorruptCheckpoint(f"{path} is unusable (see above)")
+
+
+def consolidate(path: Path, file: str) -> None:
+    weights = checkpoint.consolidate(path)
+    torch.save(weights, file)
+    print(f"wrote {len(weights)} tensors ({sum(t.numel() for t in weights.values()):,} parameters) from {path} "
+          f"to {file}")
+
+
+def one_line_errors(command) -> None:
+    """command(), with a checkpoint that cannot be used said in one line on stderr, and exit status 2."""
     try:
-        path = find_checkpoint(args.path)
-        if args.cmd == "inspect":
-            text, ok = inspect(path)
-            print(text)
-            if not ok:
-                raise CorruptCheckpoint(f"{path} is unusable (see above)")
-        else:
-            weights = checkpoint.consolidate(path)
-            torch.save(weights, args.file)
-            print(f"wrote {len(weights)} tensors ({sum(t.numel() for t in weights.values()):,} parameters) "
-                  f"from {path} to {args.file}")
+        command()
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -33,13 +33,12 @@ the differences above, and writes a directory that `transformers.GPT2LMHeadModel
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 
 import checkpoint
-from instruments.checkpoints import find_checkpoint
+from instruments import checkpoints
 from model import canonical_name
 from shard import take_shard
 from support.storage import CheckpointError, read_safetensors, replace_atomically, write_safetensors
@@ -135,19 +134,18 @@ def export_hf(weights: dict[str, torch.Tensor], manifest: dict, out_dir: Path) -
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m instruments.hf", description="Hugging Face GPT-2 and nanoscale.")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    sp = sub.add_parser("export", help="write a checkpoint as a Hugging Face GPT2LMHeadModel directory")
-    sp.add_argument("path", help="a step_XXXXXXXX directory, or a ckpt/ directory (uses latest)")
-    sp.add_argument("dir", help="output directory (config.json + model.safetensors)")
+    p.add_argument("cmd", choices=["export"], help="export: write a checkpoint as a Hugging Face GPT2LMHeadModel "
+                   "directory")
+    p.add_argument("path", help=checkpoints.PATH_HELP)
+    p.add_argument("dir", help="output directory (config.json + model.safetensors)")
     args = p.parse_args(argv)
-    try:
-        path = find_checkpoint(args.path)
-        reader = checkpoint.pin(path)
-        export_hf(checkpoint.consolidate(reader), reader.manifest, Path(args.dir))
-        print(f"wrote a Hugging Face GPT-2 model from {path} to {args.dir}")
-    except CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    checkpoints.one_line_errors(lambda: export(checkpoints.find_checkpoint(args.path), Path(args.dir)))
+
+
+def export(path: Path, out_dir: Path) -> None:
+    reader = checkpoint.pin(path)
+    export_hf(checkpoint.consolidate(reader), reader.manifest, out_dir)
+    print(f"wrote a Hugging Face GPT-2 model from {path} to {out_dir}")
 
 
 if __name__ == "__main__":

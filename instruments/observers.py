@@ -27,19 +27,24 @@ from instruments.timeline import Timeline
 from parallel import Observer
 
 
+def each(method):
+    """The Observer method `method`, fanned out: it calls that method of every observer, in order."""
+    def fan(self, *args) -> None:
+        for o in self.observers:
+            getattr(o, method.__name__)(*args)
+    return fan
+
+
 class Fanout(Observer):
     """One Observer made of several: each call goes to each of them, in order."""
 
     def __init__(self, observers: list[Observer]):
         self.observers = observers
 
-    def resumed(self, manifest: dict) -> None:
-        for o in self.observers:
-            o.resumed(manifest)
-
-    def step_begin(self, step: int) -> None:
-        for o in self.observers:
-            o.step_begin(step)
+    resumed, step_begin = each(Observer.resumed), each(Observer.step_begin)
+    after_grads, after_update = each(Observer.after_grads), each(Observer.after_update)
+    step_end, step_written = each(Observer.step_end), each(Observer.step_written)
+    saved, run_end = each(Observer.saved), each(Observer.run_end)
 
     @contextlib.contextmanager
     def span(self, name: str):
@@ -52,30 +57,6 @@ class Fanout(Observer):
         for o in reversed(self.observers):  # the first wraps all the others
             start = functools.partial(o.collective, op, group, members, nbytes, start)
         return start()
-
-    def after_grads(self) -> None:
-        for o in self.observers:
-            o.after_grads()
-
-    def after_update(self, updated: bool) -> None:
-        for o in self.observers:
-            o.after_update(updated)
-
-    def step_end(self, row: dict) -> None:
-        for o in self.observers:
-            o.step_end(row)
-
-    def step_written(self, row: dict) -> None:
-        for o in self.observers:
-            o.step_written(row)
-
-    def saved(self, record: dict) -> None:
-        for o in self.observers:
-            o.saved(record)
-
-    def run_end(self, status: str) -> None:
-        for o in self.observers:
-            o.run_end(status)
 
 
 def attach(run) -> Observer:

@@ -37,13 +37,19 @@ def run(args, out: Path, extra: list[str]) -> tuple[dict[int, float], dict[int, 
     return steps, saves, sum(r.get("event") == "checkpoint skipped" for r in rows)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parser(doc: str, preset: str, every: str) -> argparse.ArgumentParser:
+    """The flags this benchmark and tests/bench_stats.py share: `--steps` of `--preset` on `--device`."""
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
     p.add_argument("--device", default="cpu")
-    p.add_argument("--preset", default="small")
+    p.add_argument("--preset", default=preset)
     p.add_argument("--tokenizer", default="gpt2")
     p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--every", type=int, default=10, help="save every N steps")
+    p.add_argument("--every", type=int, default=10, help=every)
+    return p
+
+
+def main() -> None:
+    p = parser(__doc__, "small", "save every N steps")
     p.add_argument("--seq-len", type=int, default=0, help="0: train.py's default for the device")
     p.add_argument("--batch-size", type=int, default=0, help="0: train.py's default for the device")
     p.add_argument("--micro-batch-size", type=int, default=0)

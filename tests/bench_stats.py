@@ -1,4 +1,4 @@
-"""What the per-layer statistics (stats.py) cost a step, side by side in one run.
+"""What the per-layer statistics (instruments/stats.py) cost a step, side by side in one run.
 
     python tests/bench_stats.py                                # CPU: the `mini` preset
     python tests/bench_stats.py --device cuda --preset gpt2    # a GPU (blocks compiled, bf16)
@@ -12,7 +12,6 @@ fastest is the steadier estimate), their ratios, and what that costs on average 
 installed at all (another process: compare it loosely).
 """
 
-import argparse
 import json
 import re
 import statistics
@@ -20,6 +19,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from bench_checkpoint import parser
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -36,12 +37,7 @@ def step_times(args, out: Path, every: int) -> dict[int, float]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--preset", default="mini")
-    p.add_argument("--tokenizer", default="gpt2")
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--every", type=int, default=10, help="the --stats-every to state the average cost at")
+    p = parser(__doc__, "mini", "the --stats-every to state the average cost at")
     args, args.flags = p.parse_known_args()  # the rest goes to train.py (--batch-size, --seq-len, ...)
     skip = 5  # warm-up: allocation, compilation
     with tempfile.TemporaryDirectory() as tmp:
