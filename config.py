@@ -136,7 +136,8 @@ class TrainConfig:
     print_grid: bool = arg(False, "print the process grid at start-up")
     print_schedule: bool = arg(False, "print the pipeline schedule the stages ran on the first step")
     print_timeline: bool = arg(False, "print every rank's compute and collectives of the second step on one time "
-                               "axis, waiting for peers apart from transfer (timeline.py); also --out/timeline.json")
+                               "axis, waiting for peers apart from transfer (instruments/timeline.py); also "
+                               "--out/timeline.json")
     comm_report: bool = arg(False, "print the bytes every collective moved on the first step, next to the "
                             "formula they should match")
     memory_report: bool = arg(False, "print, per rank, the bytes of weights, gradients, optimizer state and "

@@ -7,9 +7,9 @@
           ──▶ train.bin, val.bin (header with sha256 + uint16 tokens, cached under a hash of their inputs)
           ──Loader──▶ (B, T+1) windows, step by step (a seeded permutation per epoch, fixed by the global batch)
 
-Tokenizers (GPT-2 BPE, bytes) are in tokenizer.py, sources and downloads in sources.py, the parallel
-and resumable first pass in scan.py, MinHash-LSH in dedup.py. `python data.py --fetch-tokenizer` puts
-the GPT-2 file in the cache once, at setup.
+Tokenizers (GPT-2 BPE, bytes) are in support/tokenizer.py, sources and downloads in support/sources.py,
+the parallel and resumable first pass in support/scan.py, MinHash-LSH in support/dedup.py. `python data.py
+--fetch-tokenizer` puts the GPT-2 file in the cache once, at setup.
 
 Streaming, on every core (scan.py). Documents are read one at a time and sent to --workers processes
 in chunks of ~1M characters; results come back in order, and each depends only on its own documents,

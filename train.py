@@ -415,7 +415,7 @@ def restore(run: Run, announce: bool) -> bool:
 
 def train(run: Run, stop: interrupt.Stop) -> dict:
     """The loop: resume if --out holds a checkpoint of this run, then step, evaluate, log and save
-    until --max-steps, or until a signal asks it to stop (interrupt.py: then a checkpoint of the step
+    until --max-steps, or until a signal asks it to stop (support/interrupt.py: then a checkpoint of the step
     every rank stops after, and interrupt.Stopped). Returns the last step's row of metrics."""
     cfg, grid = run.cfg, run.grid
     resumed = restore(run, announce=True)
