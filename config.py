@@ -25,6 +25,7 @@ import pipeline
 import stability
 from support import cli, tokenizer
 from support.cli import arg, at_least
+from support.devices import ConfigError  # raised here too; caught as config.ConfigError
 from support.sources import SOURCE_HELP
 
 CACHE_DIR = str(tokenizer.DEFAULT_CACHE_DIR)
@@ -160,10 +161,6 @@ def parse_args(argv=None) -> TrainConfig:
     return TrainConfig(**vars(p.parse_args(argv)))
 
 
-class ConfigError(ValueError):
-    """A flag combination that cannot work; printed as one line."""
-
-
 # The flags that ask for an instrument (instruments/): a copy without that folder refuses them.
 INSTRUMENT_FLAGS = {"comm_report": "--comm-report", "memory_report": "--memory-report",
                     "print_schedule": "--print-schedule", "print_timeline": "--print-timeline",
@@ -257,27 +254,6 @@ def resolve_steps(cfg: TrainConfig, device: torch.device, train_tokens: int, log
     # 10 evaluations a run, but at most one every 10th step: an evaluation (and its sample) costs a few
     # steps, and a short run would otherwise spend most of its time on them. The last step always has one.
     cfg.eval_every = cfg.eval_every or max(10, cfg.max_steps // 10)
-
-
-def pick_device(name: str) -> torch.device:
-    """The device the flag names. `cuda:N` is honoured in one process, and made the current GPU, so that
-    every later question about "the GPU" (bf16, our kernel, memory) is about this one; under torchrun
-    each process takes the GPU of its local rank (parallel.local_gpu), so an index is refused there."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError("--device cuda was asked for but no CUDA device is visible; use --device cpu")
-    if name != "cpu" and not re.fullmatch(r"cuda(:\d+)?", name):
-        raise ConfigError(f"--device {name}: choose auto, cpu, cuda or cuda:N")
-    device = torch.device(name)
-    if device.index is not None:
-        if "LOCAL_RANK" in os.environ:  # set by torchrun
-            raise ConfigError(f"--device {name}: under torchrun each process takes the GPU of its local rank; "
-                              "pass --device cuda (and choose the GPUs with CUDA_VISIBLE_DEVICES)")
-        if device.index >= (n := torch.cuda.device_count()):
-            raise ConfigError(f"--device {name}: the visible GPUs are cuda:0" + (f" to cuda:{n - 1}" if n > 1 else ""))
-        torch.cuda.set_device(device)
-    return device
 
 
 def check_batch(cfg: TrainConfig, grid: parallel.Grid) -> int:

@@ -22,12 +22,12 @@ bytes (`Traffic`: --comm-report holds them to the papers' formulas); a point-to-
 its own group (the pipeline's, the cp ring's), which on NCCL is its own communicator and stream, so a
 ring's messages overlap a pipeline's.
 
-The instruments' seam. `Observer` is a class of methods that do nothing, called at named points of a
-step: by Grid's wrapper around each collective, and by the loop (train.py) at the step's begin and end,
-after the gradients, after the update, around each compute span, after each checkpoint, on a resume and
-at the end. The instruments (instruments/: the timeline, per-layer statistics, the reports, the
-dashboard) subclass it; train.py's main attaches them to `Grid.observer` when that folder is there, and
-nothing here imports one.
+The instruments' seam. `Grid.observer` (support/observer.py) is an object of methods that do nothing,
+called at named points of a step: by Grid's wrapper around each collective, and by the loop (train.py) at
+the step's begin and end, after the gradients, after the update, around each compute span, after each
+checkpoint, on a resume and at the end. The instruments (instruments/: the timeline, per-layer
+statistics, the reports, the dashboard) subclass it; train.py's main attaches them when that folder is
+there, and nothing here imports one.
 
 When a peer fails. gloo's calls return when the data has moved, and raise when a peer is gone or
 --timeout passes: `peer_call` (support/interrupt.py) makes that one PeerError line (train.py: exit
@@ -54,18 +54,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from support.interrupt import peer_call, wait_until
-
-# How much longer than --timeout the step's sync point waits on NCCL (Grid.wait_for_device): time for the
-# watchdog, which ends a collective at --timeout, to notice it and abort its communicator
-NCCL_GRACE_S = 30.0
+from support.devices import LayoutError, local_gpu  # (LayoutError: raised here too; caught as parallel.*)
+from support.interrupt import peer_call, wait_for_device
+from support.observer import Observer
 
 all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-
-
-class LayoutError(ValueError):
-    """An impossible parallel layout; raised before any work, printed as one line."""
 
 
 # Every Grid, by its key: the tensor-parallel operator (tp_collective) takes a grid as a number, since an
@@ -87,47 +81,6 @@ class Traffic:
 
     def reset(self) -> None:
         self.counts.clear()
-
-
-class Observer:
-    """What the core tells the instruments, and when: each method does nothing here, and an instrument
-    (instruments/) overrides the ones it needs. The run holds one, `Grid.observer` (several instruments
-    share it through a fan-out); the core never reads anything back from it, so a run without instruments
-    trains exactly as one with them.
-
-        resumed(manifest)       the run goes on from a checkpoint (its manifest: the flags and layout it had)
-        step_begin(step)        before step `step` (1, 2, ...) draws its batch
-        span(name)              around the compute of a step: "F" forward, "B" backward, "O" optimizer
-        collective(...)         around each collective: start() launches it and returns its handle
-        after_grads()           the gradients are reduced and unscaled, not yet clipped
-        after_update(updated)   the optimizer has stepped (updated) or skipped; gradients still there
-        step_end(row)           the step's numbers, before they are written: an instrument adds its own
-        step_written(row)       the step's line is in metrics.jsonl (a checkpoint of the step may follow)
-        saved(record)           a checkpoint is complete: its step, bytes and what it cost the loop
-        run_end(status)         the loop is over: "finished", "stopped" (a signal) or "failed" (an error)
-    """
-
-    def resumed(self, manifest: dict) -> None: ...
-
-    def step_begin(self, step: int) -> None: ...
-
-    def span(self, name: str):
-        return contextlib.nullcontext()
-
-    def collective(self, op: str, group: str, members: tuple[int, ...], nbytes: int, start):
-        return start()
-
-    def after_grads(self) -> None: ...
-
-    def after_update(self, updated: bool) -> None: ...
-
-    def step_end(self, row: dict) -> None: ...
-
-    def step_written(self, row: dict) -> None: ...
-
-    def saved(self, record: dict) -> None: ...
-
-    def run_end(self, status: str) -> None: ...
 
 
 @dataclass
@@ -256,26 +209,9 @@ class Grid:
             peer_call(dist.barrier, what="a barrier of every rank")
 
     def wait_for_device(self) -> None:
-        """The step's sync point, bounded. NCCL calls return before the GPU has done them, so a dead or hung
-        peer shows only where the host waits for the device (an `.item()`), and there it would wait until
-        NCCL's watchdog ends the collective after --timeout. Wait here instead, at most --timeout and a
-        grace, watching what NCCL reports (`nccl_failure`), and say it as one PeerError (exit status 3).
-        Nothing to do on gloo (its calls return when done, and raise when a peer fails) or alone."""
-        if self.device.type != "cuda" or self.world == 1:
-            return
-        done = torch.cuda.Event()
-        done.record()  # after everything this step queued, its collectives' waits included
-        wait_until(done.query, self.timeout_s + NCCL_GRACE_S, f"rank {self.rank}, waiting for the GPU to finish "
-                   "the step's collectives", failure=self.nccl_failure)
-
-    def nccl_failure(self) -> str | None:
-        """What NCCL's watchdog found in this rank's groups (a timeout, an error here or on a peer), if anything."""
-        for name, group in self.groups.items():
-            backend = (group or dist.group.WORLD)._get_backend(self.device)
-            error = backend.get_error() if hasattr(backend, "get_error") else None  # torch >= 2.6
-            if error is not None and error.name not in ("SUCCESS", "NO_ERROR"):
-                return f"NCCL reports {error.name} in {self.describe('a collective', name)}"
-        return None
+        """The step's sync point, bounded: on NCCL a dead or hung peer is one PeerError line after at most
+        --timeout, where the plain wait would hang (support/interrupt.py)."""
+        wait_for_device(self)
 
     def agree(self, ok: bool) -> bool:
         """True when every rank says ok (one small all-reduce): for what all ranks must decide alike."""
@@ -410,7 +346,7 @@ def layout(tp: int, pp: int, device: torch.device, sp: bool = False, cp: int = 1
     if world % (tp * pp * cp):
         raise LayoutError(f"world size {world} is not divisible by tp*cp*pp = {tp}*{cp}*{pp}; launch a "
                           f"multiple of {tp * cp * pp} processes or change --tp/--cp/--pp")
-    if device.type == "cuda" and device.index is None:  # an index was settled by config.pick_device
+    if device.type == "cuda" and device.index is None:  # an index was settled by devices.pick_device
         device = local_gpu()
     return Grid(tp=tp, pp=pp, cp=cp, dp=world // (tp * pp * cp), rank=rank, sp=sp, cp_attn=cp_attn, vp=vp,
                 device=device)
@@ -455,22 +391,6 @@ def connect(grid: Grid, timeout_s: float = 300) -> None:
             group = dist.new_group(ranks)
             if rank in ranks:
                 grid.groups[name] = group
-
-
-def local_gpu() -> torch.device:
-    """This process's GPU: one per local rank. More processes on a node than GPUs is a clear error,
-    raised by every rank alike (so none is left waiting for the others)."""
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    visible = torch.cuda.device_count()
-    if max(local_world, local_rank + 1) > visible:
-        raise LayoutError(f"{max(local_world, local_rank + 1)} processes on this node but {visible} visible GPU"
-                          f"{'s' if visible != 1 else ''}: launch at most {visible} per node (torchrun "
-                          f"--nproc-per-node {visible}), or add --device cpu to rehearse the layout on CPU "
-                          "processes (gloo)")
-    device = torch.device("cuda", local_rank)
-    torch.cuda.set_device(device)
-    return device
 
 
 def shutdown() -> None:

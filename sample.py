@@ -61,7 +61,7 @@ import parallel
 import pipeline
 import shard
 import stability
-from support import cli, interrupt, storage, tokenizer
+from support import cli, devices, interrupt, storage, tokenizer
 from support.cli import arg, at_least
 
 
@@ -301,7 +301,7 @@ def main(argv=None) -> None:
     cfg = parse_args(argv)
     grid = None
     try:
-        grid = parallel.layout(cfg.tp, cfg.pp, config.pick_device(cfg.device))
+        grid = parallel.layout(cfg.tp, cfg.pp, devices.pick_device(cfg.device))
         if grid.dp > 1:
             raise parallel.LayoutError(f"sampling runs on tp * pp = {cfg.tp * cfg.pp} processes, not {grid.world}; "
                                        f"launch torchrun --nproc-per-node {cfg.tp * cfg.pp}")

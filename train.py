@@ -24,8 +24,8 @@ it. The loss-spike guard rolls back to the last checkpoint and skips the batch t
 Every step goes to --out/metrics.jsonl (support/rundir.py). What a run measures beyond that is the
 instruments' (instruments/: MFU, the per-layer statistics of every --stats-every steps, the time of each
 collective, the reports a flag asks for, the dashboard in --out/report.html). The loop calls them only
-through the grid's Observer (parallel.py), at named points of a step; `main` attaches them, all of them
-by default and none where instruments/ has been deleted (then a flag that needs one is refused).
+through the grid's Observer (support/observer.py), at named points of a step; `main` attaches them, all
+of them by default and none where instruments/ has been deleted (then a flag that needs one is refused).
 """
 
 import contextlib
@@ -58,7 +58,7 @@ import pipeline
 import shard
 import stability
 import zero
-from support import cli, interrupt, rundir, tokenizer
+from support import cli, devices, interrupt, rundir, tokenizer, writer
 
 # ----------------------------------------------------------------------------- optimization
 
@@ -112,7 +112,7 @@ class Run:
     loader: data.Loader
     val: list
     guard: stability.SpikeGuard
-    saver: checkpoint.Saver
+    saver: writer.Saver
     run_id: str
     data_sha256: str  # the prepared data's identity (its shards' sha256), recorded in every checkpoint
     log: Callable[[str], None]  # print on rank 0 (nothing elsewhere)
@@ -149,7 +149,7 @@ def setup(cfg: config.TrainConfig, arch: dict | None = None, init_values=None) -
     """Everything before the first step. --init-from (instruments/hf.py, which `main` asks): `arch`, the
     GPTConfig fields of that model, and `init_values(model)`, which gives p -> this rank's slice of p's
     starting value; without them every parameter starts from (seed, name)."""
-    device = config.pick_device(cfg.device)
+    device = devices.pick_device(cfg.device)
     cfg = config.resolve_defaults(cfg, device, bf16_ok=device.type != "cuda" or torch.cuda.is_bf16_supported(),
                                   arch=arch)
     precision = stability.PRECISIONS[cfg.precision]
@@ -185,7 +185,7 @@ def setup(cfg: config.TrainConfig, arch: dict | None = None, init_values=None) -
         log(warning)
     scaler = stability.LossScaler(precision.loss_scaling, cfg.loss_scale, cfg.loss_scale_window)
     guard = stability.SpikeGuard(cfg.spike_z, cfg.spike_window)
-    saver = checkpoint.Saver(out / "ckpt", keep=cfg.keep, asynchronous=cfg.async_ckpt, grid=grid, run=run_id,
+    saver = writer.Saver(out / "ckpt", keep=cfg.keep, asynchronous=cfg.async_ckpt, grid=grid, run=run_id,
                              timeout_s=cfg.timeout)
     n_params = gpt.n_params(model_cfg)  # all ranks' shards together, the tied wte/lm_head once
     on = device.type if grid.world == 1 else \
@@ -360,14 +360,15 @@ def sample(run: Run, n_tokens: int) -> str:
 
 def save(run: Run, skippable: bool = False) -> bool:
     """Checkpoint this step; False when it was skipped (`skippable`: a periodic --async-ckpt save that
-    found the previous one still being written; checkpoint.Saver). First, on every rank, make sure no
+    found the previous one still being written; support/writer.py). First, on every rank, make sure no
     other process writes in --out."""
     problem = run.lock.problem(run.run_id) if run.lock else ""
     rundir.raise_on_every_rank(run.grid, problem and f"another process is writing in --out: {problem}; this run "
                                "stops without saving, so as not to mix two runs' files", "rank 0 found another "
                                "writer in --out (it says which)")
     state = run.state_dict()
-    saved = run.saver.save(state.pop("step"), model=run.model, opt=run.opt, extra=state, meta=checkpoint_meta(run),
+    saved = run.saver.save(state.pop("step"), checkpoint.tensor_entries(run.model, run.opt, run.grid),
+                           checkpoint.optimizer_steps(run.opt), extra=state, meta=checkpoint_meta(run),
                            crash_mid_save=interrupt.crash_due(run.cfg.crash_at, run.grid.rank, f"save:{run.step}"),
                            skippable=skippable)
     if saved:

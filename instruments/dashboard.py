@@ -51,9 +51,9 @@ import sys
 import time
 from pathlib import Path
 
-from parallel import Observer
 from support import rundir
 from support.cli import OneLineParser
+from support.observer import Observer
 
 WRITE_EVERY_S = 5.0  # between evaluations the page is rewritten at most this often
 RELOAD_S = 5  # a live page reloads itself this often...

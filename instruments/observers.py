@@ -12,7 +12,7 @@ in the order each call reaches them:
                                 --print-timeline's picture, what checkpoints cost             line of a run)
 
 The order is the order the numbers of a step's row are added in (mfu before comm_s, as metrics.jsonl
-has always had them), and the order reports print in. Each is an Observer (parallel.py) that overrides
+has always had them), and the order reports print in. Each is an Observer (support/observer.py) that overrides
 the points it needs; `Fanout` is the Observer the grid holds, passing every call on to each of them.
 """
 
@@ -24,7 +24,7 @@ from instruments.dashboard import Report, describe
 from instruments.reports import MFU, Reports
 from instruments.stats import LayerStats
 from instruments.timeline import Timeline
-from parallel import Observer
+from support.observer import Observer
 
 
 def each(method):

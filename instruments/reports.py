@@ -9,7 +9,7 @@
     MFU       the bar's and metrics.jsonl's mfu: tokens/s x 6N + 12LHQT FLOPs per token (PaLM,
               appendix B) over the hardware's peak (planner.peak_flops)
 
-Both are Observers (parallel.py): train.py's main attaches them (observers.py). Every rank takes part
+Both are Observers (support/observer.py): train.py's main attaches them (observers.py). Every rank takes part
 where numbers are gathered; rank 0 prints. `run` is train.py's Run: the model, the grid, the optimizer.
 How memory is measured (SavedActivations: the bytes autograd saves; peak_memory: the allocator's most)
 is here too, for the reports and for the tests that hold the formulas to it.
@@ -23,7 +23,6 @@ from statistics import median
 import torch
 from tqdm import tqdm
 
-import checkpoint
 import config
 import model as gpt
 import pipeline
@@ -33,8 +32,9 @@ from instruments import formulas, planner
 from instruments import timeline as timeline_module
 from instruments.timeline import Timeline
 from model import in_backward
-from parallel import Grid, Observer
-from support import storage
+from parallel import Grid
+from support import storage, writer
+from support.observer import Observer
 from zero import ParamGather, ZeroAdamW
 
 
@@ -118,8 +118,8 @@ def resume_changes(run, saved: dict, saved_layout: dict) -> list[str]:
         else:
             effect = "the same math up to floating-point rounding"
         lines.append(change + effect)
-    if saved_layout != checkpoint.layout_of(run.grid):
-        lines.append(f"resume: layout {saved_layout} -> {checkpoint.layout_of(run.grid)}: the same math; random "
+    if saved_layout != writer.layout_of(run.grid):
+        lines.append(f"resume: layout {saved_layout} -> {writer.layout_of(run.grid)}: the same math; random "
                      "streams (dropout) start afresh")
     if run.scaler.enabled and saved.get("loss_scale") != cfg.loss_scale:
         lines.append(f"resume: --loss-scale {cfg.loss_scale:g} is not used: the checkpoint's loss scale "

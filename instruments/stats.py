@@ -42,7 +42,8 @@ import torch
 
 from gradients import GradSync
 from model import in_backward
-from parallel import Grid, Observer
+from parallel import Grid
+from support.observer import Observer
 from zero import ZeroAdamW
 
 

@@ -41,7 +41,7 @@ How it is measured, and what each clock means:
 Ranks on one machine share its monotonic clock (CPU); elsewhere the clocks are lined up by a barrier at
 the start of the recorded step (each rank's time 0 is when it left the barrier).
 
-`Recorder` is an Observer (parallel.py): Grid hands it every collective, the loop every compute span.
+`Recorder` is an Observer (support/observer.py): Grid hands it every collective, the loop every compute span.
 `Timeline`, the instrument a run attaches (under torchrun, or with --print-timeline), times every
 collective of every step (`comm_s` in metrics.jsonl: the dashboard charts it) and, with
 --print-timeline, records the compute spans of the second step too; reports.py gathers every rank's
@@ -56,7 +56,8 @@ from dataclasses import dataclass
 
 import torch
 
-from parallel import Grid, Observer
+from parallel import Grid
+from support.observer import Observer
 
 
 class Clock:

@@ -25,10 +25,10 @@ last complete checkpoint: a save is atomic (checkpoint.py), so one cut short is 
 repeat within REPEAT_S is the same Ctrl-C arriving twice: the terminal signals every process of the
 foreground group, and torchrun forwards the one it got to its workers too.
 
-When a peer fails, a collective raises (gloo) or never completes (NCCL: parallel.py's bounded wait):
-`peer_call` and `wait_until` make either one PeerError line (train.py: exit status 3). And on purpose:
---crash-at kills the process at a step or in the middle of a save (`crash_due`), for the tests and lessons
-that prove nothing is lost.
+When a peer fails, a collective raises (gloo) or never completes (NCCL: the step's bounded wait,
+`wait_for_device`): `peer_call` and `wait_until` make either one PeerError line (train.py: exit status 3).
+And on purpose: --crash-at kills the process at a step or in the middle of a save (`crash_due`), for the
+tests and lessons that prove nothing is lost.
 """
 
 import os
@@ -125,6 +125,35 @@ def wait_until(ready, timeout_s: float, where: str, failure=lambda: None, poll_s
         time.sleep(poll_s)
     if problem := failure():  # a failed collective can let the device pass it, with garbage in its buffer
         raise PeerError(where, problem)
+
+
+# How much longer than --timeout the step's sync point waits on NCCL (wait_for_device): time for the
+# watchdog, which ends a collective at --timeout, to notice it and abort its communicator
+NCCL_GRACE_S = 30.0
+
+
+def wait_for_device(grid) -> None:
+    """The step's sync point, bounded (parallel.Grid.wait_for_device). NCCL calls return before the GPU has
+    done them, so a dead or hung peer shows only where the host waits for the device (an `.item()`), and
+    there it would wait until NCCL's watchdog ends the collective after --timeout. Wait here instead, at
+    most --timeout and a grace, watching what NCCL reports (`nccl_failure`), and say it as one PeerError
+    (exit status 3). Nothing to do on gloo (its calls return when done, and raise when a peer fails) or alone."""
+    if grid.device.type != "cuda" or grid.world == 1:
+        return
+    done = torch.cuda.Event()
+    done.record()  # after everything this step queued, its collectives' waits included
+    wait_until(done.query, grid.timeout_s + NCCL_GRACE_S, f"rank {grid.rank}, waiting for the GPU to finish "
+               "the step's collectives", failure=lambda: nccl_failure(grid))
+
+
+def nccl_failure(grid) -> str | None:
+    """What NCCL's watchdog found in the grid's groups (a timeout, an error here or on a peer), if anything."""
+    for name, group in grid.groups.items():
+        backend = (group or dist.group.WORLD)._get_backend(grid.device)
+        error = backend.get_error() if hasattr(backend, "get_error") else None  # torch >= 2.6
+        if error is not None and error.name not in ("SUCCESS", "NO_ERROR"):
+            return f"NCCL reports {error.name} in {grid.describe('a collective', name)}"
+    return None
 
 
 def crash_due(spec: str, rank: int, event: str) -> bool:

@@ -162,7 +162,13 @@ def trained_tiny():
 
 def saver(tmp_path, asynchronous):
     import parallel
-    return checkpoint.Saver(tmp_path / "ckpt", keep=5, asynchronous=asynchronous, grid=parallel.Grid(), run="r")
+    from support import writer
+    return writer.Saver(tmp_path / "ckpt", keep=5, asynchronous=asynchronous, grid=parallel.Grid(), run="r")
+
+
+def save(s, step, model, opt, **kwargs) -> bool:
+    """What train.save hands the Saver: this rank's tensors and the optimizer's update count."""
+    return s.save(step, checkpoint.tensor_entries(model, opt, s.grid), checkpoint.optimizer_steps(opt), **kwargs)
 
 
 def test_every_byte_is_hashed_once_on_its_way_to_the_disk(tmp_path, monkeypatch):
@@ -190,7 +196,7 @@ def test_every_byte_is_hashed_once_on_its_way_to_the_disk(tmp_path, monkeypatch)
 
     monkeypatch.setattr(storage, "hashlib", SimpleNamespace(sha256=Counting))  # storage.py's hashing only
     m, opt = trained_tiny()
-    saver(tmp_path, asynchronous=False).save(1, m, opt, extra={}, meta={})
+    save(saver(tmp_path, asynchronous=False), 1, m, opt, extra={}, meta={})
     monkeypatch.undo()
     written = sum(f.stat().st_size for f in (tmp_path / "ckpt").rglob("*") if f.is_file())
     manifest = storage.verify(tmp_path / "ckpt" / "step_00000001")  # what it hashed is what is there
@@ -207,7 +213,7 @@ def test_a_save_reads_nothing_from_the_device_before_the_loop_goes_on(tmp_path):
     m, opt = trained_tiny()
     s = saver(tmp_path, asynchronous=True)
     with HostReads() as host:
-        s.save(1, m, opt, extra={"step": 1}, meta={})
+        save(s, 1, m, opt, extra={"step": 1}, meta={})
     s.wait()
     assert [host.calls[i] for i in host.reads] == []  # before: int() of every parameter's step count
     path = tmp_path / "ckpt" / "step_00000001"
@@ -232,11 +238,11 @@ def test_a_save_that_finds_the_last_one_still_writing_is_skipped_not_waited_for(
     monkeypatch.setattr(storage, "write_safetensors", slow_write)
     m, opt = trained_tiny()
     s = saver(tmp_path, asynchronous=True)
-    assert s.save(2, m, opt, extra={}, meta={}, skippable=True)
+    assert save(s, 2, m, opt, extra={}, meta={}, skippable=True)
     threading.Timer(2.0, release.set).start()
-    assert not s.save(4, m, opt, extra={}, meta={}, skippable=True)  # step 2's write is still held
+    assert not save(s, 4, m, opt, extra={}, meta={}, skippable=True)  # step 2's write is still held
     assert not release.is_set() and s.writing == 2
-    assert s.save(6, m, opt, extra={}, meta={})  # the final save: waits for step 2's, then writes
+    assert save(s, 6, m, opt, extra={}, meta={})  # the final save: waits for step 2's, then writes
     s.wait()
     ckpt = tmp_path / "ckpt"
     assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_00000002", "step_00000006"]

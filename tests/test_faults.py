@@ -24,7 +24,7 @@ import checkpoint
 import data
 import model as gpt
 import parallel
-from support import rundir, storage
+from support import rundir, storage, writer
 
 RUN = ["--max-steps", "6", "--ckpt-every", "2", "--eval-every", "6", "--keep", "3"]
 
@@ -279,7 +279,8 @@ def test_a_full_disk_during_a_save_is_a_checkpoint_error(tmp_path, monkeypatch):
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(storage, "write_chunks", full)
     with pytest.raises(checkpoint.CheckpointError, match="could not write the checkpoint of step 1.*No space left"):
-        saver.save(1, model, opt, extra={}, meta={})
+        saver.save(1, checkpoint.tensor_entries(model, opt, saver.grid), checkpoint.optimizer_steps(opt), extra={},
+                   meta={})
 
 
 # ----------------------------------------------------------------------------- 7: token shards
@@ -308,8 +309,8 @@ def tiny_saver(tmp_path, rank=0, world=1, timeout_s=600.0):
     grid.all_reduce = lambda *args, **kwargs: None  # the ranks agree to save (no peer to say otherwise)
     model = gpt.build(gpt.config_from_preset("tiny", 257), seed=0)
     opt = torch.optim.AdamW(model.parameters())
-    return checkpoint.Saver(tmp_path / "ckpt", keep=2, asynchronous=False, grid=grid, run="r",
-                            timeout_s=timeout_s), model, opt
+    return writer.Saver(tmp_path / "ckpt", keep=2, asynchronous=False, grid=grid, run="r",
+                        timeout_s=timeout_s), model, opt
 
 
 def test_a_stalled_commit_honours_the_timeout(tmp_path):
@@ -317,7 +318,8 @@ def test_a_stalled_commit_honours_the_timeout(tmp_path):
     (tmp_path / "ckpt" / ".tmp-step_00000001").mkdir(parents=True)  # rank 0 made it, then stalled
     start = time.monotonic()
     with pytest.raises(checkpoint.CheckpointError, match=r"timed out after 1s \(--timeout\)"):
-        saver.save(1, model, opt, extra={}, meta={})
+        saver.save(1, checkpoint.tensor_entries(model, opt, saver.grid), checkpoint.optimizer_steps(opt), extra={},
+                   meta={})
     assert time.monotonic() - start < 10
 
 

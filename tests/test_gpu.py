@@ -340,11 +340,12 @@ def check_syncs(device: str, data: str, cache: str, out: str) -> None:
     import checkpoint
     import config
     import train
+    from support import writer
 
     flags = ["--device", device, "--preset", "tiny", "--tokenizer", "byte", "--seq-len", "64", "--batch-size", "8",
              "--stats-every", "0", "--no-compile", "--spike-z", "4", "--spike-window", "2"]
     run = train.setup(config.parse_args([*flags, "--data", data, "--cache-dir", cache, "--out", out]))
-    saver = checkpoint.Saver(Path(out) / "ckpt", keep=2, asynchronous=True, grid=run.grid, run=run.run_id)
+    saver = writer.Saver(Path(out) / "ckpt", keep=2, asynchronous=True, grid=run.grid, run=run.run_id)
     for _ in range(3):  # warm-up: the optimizer's state is created; the spike guard is armed
         train.train_step(run)
         run.step += 1
@@ -354,7 +355,8 @@ def check_syncs(device: str, data: str, cache: str, out: str) -> None:
         torch.cuda.set_sync_debug_mode("warn")
         train.train_step(run)
         step = len(seen)
-        saver.save(run.step, run.model, run.opt, extra={"step": run.step}, meta={})
+        saver.save(run.step, checkpoint.tensor_entries(run.model, run.opt, run.grid),
+                   checkpoint.optimizer_steps(run.opt), extra={"step": run.step}, meta={})
         torch.cuda.set_sync_debug_mode("default")
     saver.wait()
     syncs = [str(w.message)[:120] for w in seen]
@@ -422,7 +424,7 @@ def test_a_dead_peer_on_nccl_is_one_line_and_exit_status_3(corpus, tmp_path):
     import socket
     import time
 
-    import parallel
+    from support import interrupt
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -449,7 +451,7 @@ def test_a_dead_peer_on_nccl_is_one_line_and_exit_status_3(corpus, tmp_path):
     assert procs[0].returncode == 3, f"exit {procs[0].returncode}\n{err[-4000:]}"  # not the watchdog's SIGABRT
     assert len(lines) == 1 and lines[0].startswith("error: rank 0, "), err[-4000:]
     assert ": a peer process failed or timed out (" in lines[0] and "Traceback" not in err, err[-4000:]
-    assert time.monotonic() - start < 20 + parallel.NCCL_GRACE_S + 60
+    assert time.monotonic() - start < 20 + interrupt.NCCL_GRACE_S + 60
 
 
 def check_cp_step_never_waits_for_the_host(cp_attn: str, device: str = "cuda") -> None:

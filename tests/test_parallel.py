@@ -6,6 +6,7 @@ checkpoint is consolidated, the same final weights. The runs also print the comm
 report, whose measured bytes must equal the papers' formulas on every rank.
 """
 
+import functools
 import json
 import os
 import re
@@ -326,13 +327,14 @@ def test_the_step_waits_for_nccl_at_most_the_timeout_and_says_what_its_watchdog_
             return Backend()
 
     grid = parallel.Grid(dp=2, rank=1, groups={"dp": Group()}, members={"dp": (0, 1)})
+    failure = functools.partial(interrupt.nccl_failure, grid)
     start = time.monotonic()
     with pytest.raises(interrupt.PeerError) as e:  # at once, not at the deadline
-        interrupt.wait_until(lambda: False, 600, "rank 1, waiting for the GPU", failure=grid.nccl_failure)
+        interrupt.wait_until(lambda: False, 600, "rank 1, waiting for the GPU", failure=failure)
     assert time.monotonic() - start < 5
     assert str(e.value) == "rank 1, waiting for the GPU: NCCL reports TIMEOUT in a collective over dp (ranks 0, 1)"
     with pytest.raises(interrupt.PeerError, match="NCCL reports TIMEOUT"):  # the aborted collective let the
-        interrupt.wait_until(lambda: True, 600, "rank 1", failure=grid.nccl_failure)  # device pass: garbage
+        interrupt.wait_until(lambda: True, 600, "rank 1", failure=failure)  # device pass: garbage
     grid.wait_for_device()  # on a CPU (gloo: its calls raise themselves) there is nothing to wait for
 
 

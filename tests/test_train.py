@@ -198,36 +198,36 @@ def test_corrupt_shard_header(corpus, tmp_path):
 
 
 def test_more_processes_than_gpus_is_one_clear_line(monkeypatch):
-    import parallel
+    from support import devices
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "0")  # even rank 0, which has a GPU, stops: none is left waiting
-    with pytest.raises(parallel.LayoutError, match=r"2 processes on this node but 1 visible GPU: launch at most 1 "
+    with pytest.raises(devices.LayoutError, match=r"2 processes on this node but 1 visible GPU: launch at most 1 "
                                                    r"per node \(torchrun --nproc-per-node 1\), or add --device cpu"):
-        parallel.local_gpu()
+        devices.local_gpu()
 
 
 def test_a_gpu_index_is_honoured_alone_and_refused_under_torchrun(monkeypatch):
     """--device cuda:1 in one process trains on GPU 1, made the current GPU (what bf16 and the kernel are
     asked about); under torchrun each process takes its local rank's GPU, so an index is one clear line,
     not silently replaced. Stand-ins for a machine with two GPUs."""
-    import config
     import parallel
+    from support import devices
     chosen = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
     for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE", "RANK"):
         monkeypatch.delenv(name, raising=False)
-    device = config.pick_device("cuda:1")
+    device = devices.pick_device("cuda:1")
     assert device == torch.device("cuda", 1) and chosen == [device]
     assert parallel.layout(1, 1, device).device == device  # not cuda:LOCAL_RANK (0)
-    with pytest.raises(config.ConfigError, match=r"^--device cuda:2: the visible GPUs are cuda:0 to cuda:1$"):
-        config.pick_device("cuda:2")
+    with pytest.raises(devices.ConfigError, match=r"^--device cuda:2: the visible GPUs are cuda:0 to cuda:1$"):
+        devices.pick_device("cuda:2")
     monkeypatch.setenv("LOCAL_RANK", "0")
-    with pytest.raises(config.ConfigError, match=r"^--device cuda:1: under torchrun each process takes the GPU "
+    with pytest.raises(devices.ConfigError, match=r"^--device cuda:1: under torchrun each process takes the GPU "
                                                  r"of its local rank; pass --device cuda"):
-        config.pick_device("cuda:1")
+        devices.pick_device("cuda:1")
 
 
 def test_device_cuda_without_a_gpu_is_one_line(corpus, tmp_path):
