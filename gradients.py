@@ -29,7 +29,6 @@ Which rank's copy of a replicated tensor counts is one rule, `Grid.owns`, shared
 checkpoints (which save exactly the copies that count).
 """
 
-import time
 from collections import deque
 
 import torch
@@ -114,7 +113,6 @@ class GradSync:
         # ZeRO-2/3, in flight: (bucket, received shard, work, the whole buffer it reads, kept alive till done)
         self.pending = deque()
         self.on_reduced = None  # ZeRO-3: called with a bucket whose gradients are all in (frees its weights)
-        self.events, self.last_events = [], []  # (what, bucket, seconds): the overlap, measured
 
     @staticmethod
     def _by_size(model: torch.nn.Module, bucket_mb: float) -> list[list[torch.nn.Parameter]]:
@@ -143,7 +141,7 @@ class GradSync:
                 self._launch(b)
 
     def _launch(self, b: Bucket) -> None:
-        self.events.append(("launch", self.buckets.index(b), time.perf_counter()))
+        self.grid.observer.gradient_event("launch", self.buckets.index(b))
         if self.zero >= 2:  # reduce into a fresh shard; the whole buffer is let go once that is done
             shard = torch.empty(b.shard_size, device=b.device)
             self.pending.append((b, shard, self.grid.reduce_scatter(shard, b.main_grad, "dp_cp", async_op=True),
@@ -171,7 +169,7 @@ class GradSync:
     def finish(self) -> None:
         """After the last backward: launch what is left (everything, without overlap), wait, average,
         and (without ZeRO) point each p.grad at its slice of main_grad."""
-        self.events.append(("backward done", -1, time.perf_counter()))
+        self.grid.observer.gradient_event("backward done", -1)
         for b in self.buckets:
             if (self.zero >= 2 and b.main_grad is not None) or (self.zero < 2 and not b.launched):
                 self._launch(b)
@@ -192,8 +190,7 @@ class GradSync:
                         p.grad_dtype = None  # a bf16 parameter with an fp32 gradient: allowed on purpose
                     p.grad = view
             b.ready, b.work, b.launched = 0, None, False
-        self.events.append(("reduced", -1, time.perf_counter()))
-        self.last_events, self.events = self.events, []
+        self.grid.observer.gradient_event("reduced", -1)
 
     def zero_grad(self) -> None:
         for b in self.buckets:

@@ -362,10 +362,7 @@ def save(run: Run, skippable: bool = False) -> bool:
     """Checkpoint this step; False when it was skipped (`skippable`: a periodic --async-ckpt save that
     found the previous one still being written; support/writer.py). First, on every rank, make sure no
     other process writes in --out."""
-    problem = run.lock.problem(run.run_id) if run.lock else ""
-    rundir.raise_on_every_rank(run.grid, problem and f"another process is writing in --out: {problem}; this run "
-                               "stops without saving, so as not to mix two runs' files", "rank 0 found another "
-                               "writer in --out (it says which)")
+    rundir.check_no_other_writer(run.lock, run.run_id, run.grid)
     state = run.state_dict()
     saved = run.saver.save(state.pop("step"), checkpoint.tensor_entries(run.model, run.opt, run.grid),
                            checkpoint.optimizer_steps(run.opt), extra=state, meta=checkpoint_meta(run),
@@ -420,9 +417,8 @@ def train(run: Run, stop: interrupt.Stop) -> dict:
     every rank stops after, and interrupt.Stopped). Returns the last step's row of metrics."""
     cfg, grid = run.cfg, run.grid
     resumed = restore(run, announce=True)
-    if not resumed and grid.is_logger and (lost := max((r["step"] for r in rundir.steps(cfg.out)), default=0)):
-        run.log(f"no checkpoint of run {run.run_id} to resume from: starting again at step 0 (the {lost} steps "
-                "of its last attempt are lost; --ckpt-every N saves as it goes)")
+    if not resumed and grid.is_logger:
+        rundir.say_lost_steps(cfg.out, run.run_id, run.log)
     run.metrics = rundir.Metrics(Path(cfg.out) / "metrics.jsonl", grid.is_logger, run.step, log=run.log)
     run.metrics.log(event="resume" if resumed else "start", run=run.run_id, step=run.step)
     tokens_per_step = cfg.batch_size * cfg.seq_len

@@ -39,7 +39,6 @@ the embedding, freed, gathered again for the head and kept through the backward,
 embedding again. Two gathers per forward and backward, like every other unit: 1.5x, exactly.
 """
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -47,8 +46,6 @@ import torch
 from gradients import Bucket, GradSync
 from model import in_backward, placeholder
 from support.interrupt import peer_call
-
-EVENTS_KEPT = 4096  # ParamGather's events kept: about 4 per unit and use, enough for the first steps
 
 
 class ZeroAdamW:
@@ -219,7 +216,6 @@ class ParamGather:
             buffer = torch.empty(b.padded, dtype=st["flat"].dtype, device=b.device)
             buffer.untyped_storage().resize_(0)
             self.units.append(Unit(b, st["flat"], buffer))
-        self.events: list[tuple[str, int, float]] = []  # (what, unit, seconds): the prefetch, measured
         t, last = model.transformer, len(self.units) - 1
         # A compiled module runs its hooks inside its compiled call: gathering and freeing (collectives,
         # storage, bookkeeping) stay out of the graph, or torch.compile would trace them once per shape.
@@ -238,11 +234,6 @@ class ParamGather:
         sync.on_reduced = lambda b: self.free(index[id(b)])
         self.last = last
 
-    def record(self, what: str, i: int) -> None:
-        """Keep the first few thousand events: the first steps are what reports.prefetch_report reads."""
-        if len(self.events) < EVENTS_KEPT:
-            self.events.append((what, i, time.perf_counter()))
-
     def _next(self, i: int) -> int | None:
         """The unit to prefetch while unit i runs: the next in the forward (the root, for the head,
         after the last block), the previous in a backward (no further than block 0)."""
@@ -257,7 +248,7 @@ class ParamGather:
             return
         u.buffer.untyped_storage().resize_(u.bucket.padded * u.buffer.element_size())  # back from 0 bytes
         u.state, u.gathering = "gathering", self.grid.all_gather(u.buffer, u.shard, "dp_cp", async_op=True)
-        self.record("gather", i)
+        self.grid.observer.gather_event("gather", i)
 
     def wait(self, i: int) -> None:
         u = self.units[i]
@@ -269,7 +260,7 @@ class ParamGather:
         u.state, u.gathering = "whole", None
         for p, view in u.bucket.views(u.buffer):
             p.data = view
-        self.record("ready" if not landed else "ready (landed early)", i)
+        self.grid.observer.gather_event("ready" if not landed else "ready (landed early)", i)
 
     def use(self, i: int, prefetch: int | None) -> None:
         """Before unit i computes: its weights whole, the next unit's on their way."""
@@ -277,7 +268,7 @@ class ParamGather:
         self.wait(i)
         if prefetch is not None:
             self.gather(prefetch)
-        self.record("compute", i)
+        self.grid.observer.gather_event("compute", i)
 
     def free(self, i: int) -> None:
         u = self.units[i]
@@ -286,7 +277,7 @@ class ParamGather:
         for p in u.bucket.params:
             p.data = placeholder(p.shape, u.shard.dtype, u.bucket.device)
         u.buffer.untyped_storage().resize_(0)  # the memory itself, under autograd's views too
-        self.record("free", i)
+        self.grid.observer.gather_event("free", i)
 
     def _after_block(self, i: int, out: torch.Tensor):
         if in_backward():  # a recomputed forward (--recompute full): its backward follows at once

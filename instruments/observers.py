@@ -42,6 +42,7 @@ class Fanout(Observer):
         self.observers = observers
 
     resumed, step_begin = each(Observer.resumed), each(Observer.step_begin)
+    gradient_event, gather_event = each(Observer.gradient_event), each(Observer.gather_event)
     after_grads, after_update = each(Observer.after_grads), each(Observer.after_update)
     step_end, step_written = each(Observer.step_end), each(Observer.step_written)
     saved, run_end = each(Observer.saved), each(Observer.run_end)

@@ -16,6 +16,7 @@ is here too, for the reports and for the tests that hold the formulas to it.
 """
 
 import json
+import time
 from dataclasses import asdict
 from pathlib import Path
 from statistics import median
@@ -45,12 +46,22 @@ class Reports(Observer):
     def __init__(self, run, timeline: Timeline | None = None):
         self.run, self.timeline = run, timeline
         self.first, self.memory, self.saves = True, None, []
+        self.gradient_events, self.gather_events = [], []  # (what, index, seconds) of the first step
+
+    def gradient_event(self, what: str, bucket: int) -> None:
+        if self.first:
+            self.gradient_events.append((what, bucket, time.perf_counter()))
+
+    def gather_event(self, what: str, unit: int) -> None:
+        if self.first:
+            self.gather_events.append((what, unit, time.perf_counter()))
 
     def resumed(self, manifest: dict) -> None:
         for line in resume_changes(self.run, manifest["meta"].get("config", {}), manifest["layout"]):
             self.run.log(line)
 
     def step_begin(self, step: int) -> None:
+        self.gradient_events, self.gather_events = [], []  # (again, if a spike rolled the first one back)
         if self.first and self.run.cfg.memory_report:  # (again, if a spike rolled the first one back)
             self.memory = {"activations": SavedActivations(self.run.model, self.run.device).__enter__()}
 
@@ -60,7 +71,8 @@ class Reports(Observer):
             self.memory["state"] = state_memory(self.run.model, self.run.opt, self.run.sync)
 
     def step_end(self, row: dict) -> None:
-        texts = first_step_reports(self.run, self.memory) if self.first else []
+        texts = first_step_reports(self.run, self.memory, self.gradient_events, self.gather_events) \
+            if self.first else []
         self.first = False
         if self.timeline is not None and row["step"] == self.timeline.step:
             texts.append(timeline_report(self.run, self.timeline))
@@ -135,9 +147,10 @@ def saves_summary(saves: list[dict]) -> str:
             f"{1e3 * blocking:.1f} ms a save ({blocking / step:.0%} of a {1e3 * step:.0f} ms step; medians)")
 
 
-def first_step_reports(run, memory: dict | None) -> list[str]:
-    """--comm-report and --print-schedule: what the first step moved and how the pipeline ran.
-    Every rank takes part (the numbers are gathered); rank 0 gets the text."""
+def first_step_reports(run, memory: dict | None, gradient_events: list, gather_events: list) -> list[str]:
+    """--comm-report and --print-schedule: what the first step moved and how the pipeline ran (the events:
+    when buckets launched and ZeRO-3 units moved, as the Observer heard them). Every rank takes part (the
+    numbers are gathered); rank 0 gets the text."""
     cfg, grid, out = run.cfg, run.grid, []
     if cfg.comm_report:
         expected = formulas.expected_traffic(run.model_cfg, grid, cfg.micro_batch_size,
@@ -148,9 +161,9 @@ def first_step_reports(run, memory: dict | None) -> list[str]:
         out.append(text + f"\nformula matches measurement on every rank: {'yes' if matches else 'NO'}"
                    + ("" if cfg.precision == "fp32" else " (the formula assumes fp32 activations)"))
         if run.sync is not None:
-            out.append(overlap_report(run.sync))
+            out.append(overlap_report(run.sync, gradient_events))
         if run.gather is not None:
-            out.append(prefetch_report(run.gather))
+            out.append(prefetch_report(run.gather, gather_events))
         out.append(zero_memory_report(run.opt, run.model, grid))
     if cfg.memory_report:
         out.append(memory_report(run, memory))
@@ -247,11 +260,10 @@ def traffic_matches(grid: Grid, expected: dict) -> bool:
     return flag.item() == 0
 
 
-def overlap_report(sync: GradSync) -> str:
+def overlap_report(sync: GradSync, events: list[tuple[str, int, float]]) -> str:
     """When each bucket's collective was launched, relative to the end of this rank's backward. (How long
     it then took, and how much of that was waiting for another rank's backward, is what --print-timeline
     shows: one number measured on one rank cannot tell the two apart.)"""
-    events = sync.last_events
     done = next(t for what, _, t in events if what == "backward done")
     launches = [(i, t) for what, i, t in events if what == "launch"]
     early = sum(1 for _, t in launches if t < done)
@@ -263,13 +275,13 @@ def overlap_report(sync: GradSync) -> str:
     return "\n".join(lines)
 
 
-def prefetch_report(gather: ParamGather) -> str:
+def prefetch_report(gather: ParamGather, events: list[tuple[str, int, float]]) -> str:
     """--comm-report under ZeRO-3, from zero.ParamGather's events of the first forward: for how many blocks
     the next unit's all-gather was launched before the block began computing and waited for only after it
     had finished (so it was in flight during the compute), and how many of those had already landed when
     waited for."""
     first = {}
-    for what, i, t in gather.events:
+    for what, i, t in events:
         first.setdefault((what.split(" ")[0], i), t)
         first.setdefault((what, i), t)
     blocks = range(1, len(gather.units) - 1)

@@ -21,6 +21,9 @@ class Observer:
         step_begin(step)        before step `step` (1, 2, ...) draws its batch
         span(name)              around the compute of a step: "F" forward, "B" backward, "O" optimizer
         collective(...)         around each collective: start() launches it and returns its handle
+        gradient_event(what, i) gradient bucket i "launch"ed, the "backward done", all "reduced"
+        gather_event(what, i)   ZeRO-3 unit i: "gather" launched, "ready" (or "ready (landed early)"),
+                                "compute" begins, "free"d: with the above, how communication overlaps compute
         after_grads()           the gradients are reduced and unscaled, not yet clipped
         after_update(updated)   the optimizer has stepped (updated) or skipped; gradients still there
         step_end(row)           the step's numbers, before they are written: an instrument adds its own
@@ -38,6 +41,10 @@ class Observer:
 
     def collective(self, op: str, group: str, members: tuple[int, ...], nbytes: int, start):
         return start()
+
+    def gradient_event(self, what: str, bucket: int) -> None: ...
+
+    def gather_event(self, what: str, unit: int) -> None: ...
 
     def after_grads(self) -> None: ...
 

@@ -141,6 +141,21 @@ def raise_on_every_rank(grid, problem: str, elsewhere: str) -> None:
         raise RunDirError(problem or elsewhere)
 
 
+def check_no_other_writer(lock, run: str, grid) -> None:
+    """Before a save, on every rank: no other process writes in --out (rank 0 looks; `lock` is None elsewhere)."""
+    problem = lock.problem(run) if lock else ""
+    raise_on_every_rank(grid, problem and f"another process is writing in --out: {problem}; this run stops "
+                        "without saving, so as not to mix two runs' files", "rank 0 found another writer in --out "
+                        "(it says which)")
+
+
+def say_lost_steps(out: str | Path, run: str, log=print) -> None:
+    """A run that starts again at step 0 says how many steps of its last attempt had no checkpoint."""
+    if lost := max((r["step"] for r in steps(out)), default=0):
+        log(f"no checkpoint of run {run} to resume from: starting again at step 0 (the {lost} steps of its last "
+            "attempt are lost; --ckpt-every N saves as it goes)")
+
+
 # The files that make up a run, in the order --fresh moves them: run.json last.
 RUN_FILES = ("ckpt", "metrics.jsonl", "report.html", "timeline.json", "run.json")
 JOURNAL = ".fresh.json"
