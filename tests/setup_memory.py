@@ -14,6 +14,7 @@ shard + unit + draw and a small margin.
 """
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -63,13 +64,15 @@ def main() -> None:
     state = {st[k].untyped_storage().data_ptr() for st in run.opt.shards for k in ("master", "exp_avg", "exp_avg_sq")}
     state |= {b.shard_grad.untyped_storage().data_ptr() for b in run.sync.buckets}
     g, on_cpu = run.grid, run.device.type == "cpu"
-    print(json.dumps({
+    # One write of the whole line: the ranks share torchrun's stdout, and print's text and newline go as two
+    # writes, so two ranks' lines could run together (seen once in a loaded suite).
+    os.write(sys.stdout.fileno(), (json.dumps({
         "rank": g.rank, "peak": peak_apart_from(allocations(prof, run.device.type), state), "n": g.dp_cp,
         "shard": sum(st["flat"].numel() * st["flat"].element_size() for st in run.opt.shards),
         "model": sum(p.numel() * 4 for p in run.model.parameters()),
         "unit": max(b.numel * 4 for b in run.sync.buckets),
         "draw": max(s.numel() * 4 for s in model.full_shapes(run.model_cfg).values()) if on_cpu else 0,
-    }), flush=True)
+    }) + "\n").encode())
 
 
 if __name__ == "__main__":
