@@ -49,36 +49,34 @@ is the multi-head attention above (GPT-2), H_kv = 1 multi-query attention (MQA, 
     query heads   0 1 2 3 4 5 6 7        H = 8, H_kv = 2, G = 4: query head h reads kv head h // G
     kv heads      0 0 0 0 1 1 1 1
 
-What it saves: the K and V projections make 2 H_kv D features instead of 2 H D, and, above all, the KV
-cache that sampling keeps (every past token's k and v, in every layer) shrinks by G; at long contexts
-and large batches that cache, not the weights, fills the memory, and reading all of it for each new
-token is what bounds decoding speed. The paper finds quality close to multi-head attention's.
+What it saves: K and V projections of 2 H_kv D features instead of 2 H D and, above all, a KV cache
+G times smaller: at long contexts and large batches that cache, not the weights, fills the memory, and
+reading it for each new token bounds decoding speed. The paper finds quality close to multi-head's.
 
-The plain way (the math backend) repeats each kv head for its group, then runs multi-head attention:
-two (B, H, T, D) copies in the forward, and in the backward dK and dV at H heads, summed back per group.
-The kernel repeats nothing. A query head's program reads the rows of its kv head where they lie (the
-forward, dQ); the dK/dV program of a kv head walks the G query heads of its group one after the other,
-summing into the same registers: still one writer per output, no atomics, the same bits every time,
-and no memory beyond the outputs and gradients (tests/test_kernels.py measures the bytes). The price:
-the dK/dV launch has B H_kv programs per key block instead of B H, each G times longer, so at small
-B H_kv (MQA at batch 1) it keeps fewer of the GPU's cores busy. G reaches the kernels as an integer,
-GROUP_SIZE, and Triton compiles an integer equal to 1 as a constant: without GQA the kv-head arithmetic
-and the group loop fold away into the multi-head kernel.
+The plain way (the math backend) repeats each kv head for its group: two (B, H, T, D) copies forward,
+and dK, dV at H heads summed back per group. The kernel repeats nothing. A query head's program reads
+its kv head's rows where they lie (forward, dQ); a kv head's dK/dV program walks the G query heads of
+its group, summing into the same registers: one writer per output, no atomics, the same bits every
+time, no memory beyond outputs and gradients (tests/test_kernels.py measures the bytes). The price:
+B H_kv dK/dV programs per key block instead of B H, each G times longer (fewer busy cores for MQA at
+batch 1). G reaches the kernels as the integer GROUP_SIZE, and Triton compiles an integer equal to 1 as
+a constant: without GQA the kv-head arithmetic and the group loop fold away.
 
-The kernels reach PyTorch as two torch.library custom ops, nanoscale::flash_attn_fwd (q, k, v -> o, lse)
-and nanoscale::flash_attn_bwd (q, k, v, o, lse, dO -> dQ, dK, dV), joined by register_autograd. To
-torch.compile each is one opaque node whose output shapes, dtypes and strides come from a "fake"
-implementation, so a compiled model calls our kernel as it is, without tracing into the launch. The
-model calls their packed twins, nanoscale::flash_attn_qkv_fwd / _bwd, which take the fused projection's
-output whole, (B, T, H + 2 H_kv, D) or GPT-2's (B, T, 3, H, D), and write its gradient in place.
+The kernels reach PyTorch as torch.library custom ops, nanoscale::flash_attn_fwd (q, k, v -> o, lse)
+and nanoscale::flash_attn_bwd (q, k, v, o, lse, dO -> dQ, dK, dV), joined by register_autograd: to
+torch.compile each is one opaque node (a "fake" implementation gives its outputs' shapes and strides),
+so compiled code calls our launch as it is. The model calls their packed twins, flash_attn_qkv_fwd /
+_bwd, which take the fused projection's output whole, (B, T, H + 2 H_kv, D) or GPT-2's (B, T, 3, H, D),
+and write its gradient in place.
 """
 
 import contextlib
 import math
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from support.launches import HEAD_DIMS, INTERPRETER_LAUNCH, SHIPPED, Launch  # noqa: F401 (re-exported)
 
 try:
     import triton
@@ -107,43 +105,13 @@ def attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.T
     enable_gqa: k and v may have fewer heads than q (its fused kernels index them; its math fallback repeats)."""
     Tq, Tk = q.size(-2), k.size(-2)
     gqa = q.size(1) != k.size(1)
-    if Tq == Tk:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    if Tq == 1:  # one new token sees the whole cache
-        return F.scaled_dot_product_attention(q, k, v, is_causal=False, enable_gqa=gqa)
+    if Tq == Tk or Tq == 1:  # the lower triangle, or one new token that sees the whole cache
+        return F.scaled_dot_product_attention(q, k, v, is_causal=Tq == Tk, enable_gqa=gqa)
     visible = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(diagonal=Tk - Tq)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=gqa)
 
 
-# ----------------------------------------------------------------------------- launch configurations
-
-
-class Launch(NamedTuple):
-    """Forward: a program owns BLOCK_M queries and steps through keys BLOCK_N at a time. Backward: the
-    dK/dV program owns `big` keys and steps through queries `small` at a time; the dQ program owns `big`
-    queries and steps through keys `small` at a time."""
-    block_m: int
-    block_n: int
-    fwd_warps: int
-    fwd_stages: int
-    small: int
-    big: int
-    bwd_warps: int
-    bwd_stages: int
-
-
-# No autotuning (it cannot run without a GPU): one entry per (head_dim, dtype), each compiled ahead of
-# time for sm_80 and sm_90 by tests/test_kernels_aot.py, which checks tensor cores, shared memory and
-# that ptxas spills no registers. fp16 and bf16 share entries: same sizes, same tensor-core shapes.
-SHIPPED: dict[tuple[int, torch.dtype], Launch] = {}
-for _dtype in (torch.float16, torch.bfloat16):
-    SHIPPED[16, _dtype] = Launch(128, 64, 4, 3, 32, 128, 4, 3)
-    SHIPPED[32, _dtype] = Launch(128, 64, 4, 3, 32, 128, 4, 3)
-    SHIPPED[64, _dtype] = Launch(128, 64, 8, 3, 32, 128, 8, 3)  # 4 warps would need > 255 registers
-    SHIPPED[128, _dtype] = Launch(128, 32, 8, 3, 32, 64, 8, 3)  # larger blocks spill at this width
-HEAD_DIMS = (16, 32, 64, 128)
-# In the interpreter: small blocks (quick to interpret, and tiny tests still cross block boundaries).
-INTERPRETER_LAUNCH = Launch(32, 16, 4, 1, 16, 32, 4, 1)
+# -------------------------------------------------------------------- launch configurations (support/launches.py)
 
 
 def launch_config(head_dim: int, dtype: torch.dtype) -> Launch:
@@ -372,10 +340,7 @@ def _grid(T: int, block: int, BH: int) -> tuple[int, int]:
 
 
 def _group_size(q: torch.Tensor, k: torch.Tensor) -> int:
-    """How many query heads share each kv head: H / H_kv (1 without GQA)."""
-    H, H_kv = q.size(1), k.size(1)
-    assert H % H_kv == 0, f"{H} query heads do not split into groups over {H_kv} kv heads"
-    return H // H_kv
+    return q.size(1) // k.size(1)  # G = H / H_kv query heads share each kv head (check_heads: it divides)
 
 
 def _empty_bhtd(like: torch.Tensor) -> torch.Tensor:
@@ -393,8 +358,7 @@ def flash_forward(q, k, v, cfg: Launch, causal: bool = True):
     """q (B, H, TQ, D), k and v (B, H_kv, TK, D) with H_kv dividing H. Returns o (B, H, TQ, D) and the
     base-2 log-sum-exp of every score row, (B, H, TQ) fp32. causal needs TQ == TK; causal=False lets
     every query see every key."""
-    B, H, TQ, D = q.shape
-    TK = k.size(2)
+    (B, H, TQ, D), TK = q.shape, k.size(2)
     assert cfg.block_m % cfg.block_n == 0, "stage 1 must end on a key-block boundary"
     assert TQ == TK or not causal, "the causal mode is the square lower triangle"
     o, lse = _empty_bhtd(q), _empty_lse(q)
@@ -411,8 +375,7 @@ def flash_backward(q, k, v, o, lse, do, cfg: Launch, out=None, causal: bool = Tr
     one set of strides). Three launches, each output written by exactly one program: deterministic. `o`
     and `lse` are the rows' final output and base-2 log-sum-exp: from this forward, or, for one block of
     ring attention, the merged ones over every block (then the gradients are this block's share)."""
-    B, H, TQ, D = q.shape
-    H_kv, TK = k.size(1), k.size(2)
+    (B, H, TQ, D), (H_kv, TK) = q.shape, k.shape[1:3]
     assert cfg.big % cfg.small == 0, "the diagonal stage must end on a block boundary"
     delta = torch.empty_like(lse)  # (B, H, TQ)
     _attn_bwd_delta[_grid(TQ, cfg.big, B * H)](o, do, delta, *_bht(o), *_bht(do), H, TQ, HEAD_DIM=D,
@@ -434,13 +397,6 @@ def flash_backward(q, k, v, o, lse, do, cfg: Launch, out=None, causal: bool = Tr
 # ----------------------------------------------------------------------------- can the kernel run here?
 
 
-def _gpu(device: torch.device) -> tuple[str, int, int]:
-    """Name and compute capability of a CUDA device. (torch.compile treats get_device_properties as a
-    constant, so even compiled code may ask.)"""
-    props = torch.cuda.get_device_properties(device)
-    return props.name, props.major, props.minor
-
-
 def triton_problem(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
     """None when our kernel can run attention with these inputs; otherwise one line: why not, and what to do."""
     device = torch.device(device)
@@ -451,7 +407,8 @@ def triton_problem(device: torch.device, dtype: torch.dtype, head_dim: int) -> s
     if device.type not in ("cpu", "cuda"):
         return f"runs on NVIDIA GPUs (or a CPU in the Triton interpreter), not on {device.type}; use --attn sdpa"
     if device.type == "cuda" and not INTERPRETED:  # the interpreter runs anything, slowly
-        name, major, minor = _gpu(device)
+        props = torch.cuda.get_device_properties(device)  # a constant to torch.compile: compiled code may ask
+        name, major, minor = props.name, props.major, props.minor
         if torch.version.hip:
             return f"{name}: the launch configurations are checked for NVIDIA GPUs only; use --attn sdpa"
         if (major, minor) < (8, 0):  # the shipped table is compiled and checked for sm_80 and sm_90
@@ -477,25 +434,17 @@ def resolve_backend(device: torch.device, dtype: torch.dtype, head_dim: int) -> 
 
 
 # ----------------------------------------------------------------------------- the custom op
-#
-# torch.compile must not look inside flash_attn_fwd: it would try to trace and re-compile our Triton launch
-# itself. A torch.library custom op is one opaque node in the graph. The compiler needs only two things
-# from it: what it returns (shapes, dtypes, strides), which the *fake* implementation computes from the
-# inputs' metadata without touching data, and how to differentiate it, which register_autograd gives as
-# a second op. The real implementations run, eagerly, whenever the compiled code reaches them.
+# (one opaque node to torch.compile: the fake implementations give its outputs' metadata, register_autograd
+# its backward, and the real ones run eagerly whenever compiled code reaches them)
 
 
-def check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """q (B, H, T, D); k and v (B, H_kv, T, D) alike, H_kv dividing H: one line otherwise."""
+def check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, square: bool = False) -> None:
+    """q (B, H, T, D); k and v (B, H_kv, T, D) alike, H_kv dividing H (and, square, Tk = Tq): one line otherwise."""
     fits = q.dim() == k.dim() == 4 and k.shape == v.shape and (k.size(0), k.size(3)) == (q.size(0), q.size(3))
     if not (fits and k.size(1) > 0 and q.size(1) % k.size(1) == 0):
         raise ValueError(f"attention takes q (B, H, T, D) and k, v (B, H_kv, T, D) with H_kv dividing H, got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-
-
-def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    check_heads(q, k, v)
-    if k.size(2) != q.size(2):
+    if square and k.size(2) != q.size(2):
         raise ValueError(f"flash attention takes as many keys as queries, got {k.size(2)} and {q.size(2)}")
 
 
@@ -508,7 +457,7 @@ def _on_device(x: torch.Tensor):
 def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention. q (B, H, T, D), k and v (B, H_kv, T, D) -> o (B, H, T, D), laid out (B, T, H, D), and
     lse (B, H, T) fp32."""
-    _check_shapes(q, k, v)
+    check_heads(q, k, v, square=True)
     if problem := triton_problem(q.device, q.dtype, q.size(-1)):
         raise RuntimeError(f"attention backend 'triton': {problem}")
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
@@ -518,7 +467,7 @@ def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[t
 
 @flash_attn_fwd.register_fake
 def _flash_attn_fwd_fake(q, k, v):
-    _check_shapes(q, k, v)
+    check_heads(q, k, v, square=True)
     return _empty_bhtd(q), _empty_lse(q)  # the very allocations flash_forward makes: same strides
 
 
@@ -538,11 +487,9 @@ def _flash_attn_bwd_fake(q, k, v, o, lse, do):
 
 
 def _setup_context(ctx, inputs, output):
-    """Runs after the forward: keep what the backward needs, O(T) memory, not O(T^2)."""
-    q, k, v = inputs
-    o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse)
-    ctx.mark_non_differentiable(lse)  # an output for the backward, not for a loss
+    """Runs after the forward: keep what the backward needs (q, k, v, o, lse), O(T) memory, not O(T^2)."""
+    ctx.save_for_backward(*inputs, *output)
+    ctx.mark_non_differentiable(output[1])  # lse: an output for the backward, not for a loss
 
 
 def _backward(ctx, do, _dlse):
@@ -553,13 +500,10 @@ def _backward(ctx, do, _dlse):
 flash_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-# The model's projection makes q, k and v as one tensor. Unpacked into three views for the ops above,
-# their gradients must be stacked back into one tensor and copied again into the projection's layout:
-# two copies per layer. These two ops take the packed tensor and the backward writes dq, dk, dv straight
-# into one gradient of the packed layout: no copy at all. Two packings, one memory order:
-#
-#     (B, T, H + 2 H_kv, D)   the H query heads, then the H_kv key heads, then the H_kv value heads:
-#                             a projection to (H + 2 H_kv) D features, viewed; any GQA (n_kv_head = H_kv)
+# The projection makes q, k, v as one tensor: through three views, their gradients would be stacked and
+# copied back into its layout (two copies a layer). These ops take it whole and write dq, dk, dv straight
+# into one gradient of its layout. Two packings, one memory order:
+#     (B, T, H + 2 H_kv, D)   H query heads, then H_kv key heads, then H_kv value heads (any GQA)
 #     (B, T, 3, H, D)         GPT-2's view of its 3 H D features: the first with H_kv = H
 
 
@@ -584,9 +528,7 @@ def flash_attn_qkv_fwd(qkv: torch.Tensor, n_kv_head: int | None = None) -> tuple
 
 @flash_attn_qkv_fwd.register_fake
 def _flash_attn_qkv_fwd_fake(qkv, n_kv_head=None):
-    q, k, v = unpack_qkv(qkv, n_kv_head)
-    _check_shapes(q, k, v)
-    return _empty_bhtd(q), _empty_lse(q)
+    return _flash_attn_fwd_fake(*unpack_qkv(qkv, n_kv_head))
 
 
 @torch.library.custom_op("nanoscale::flash_attn_qkv_bwd", mutates_args=())
@@ -608,9 +550,8 @@ def _flash_attn_qkv_bwd_fake(qkv, o, lse, do, n_kv_head=None):
 
 
 def _setup_context_qkv(ctx, inputs, output):
-    ctx.save_for_backward(inputs[0], *output)
+    _setup_context(ctx, inputs[:1], output)  # qkv, o, lse
     ctx.n_kv_head = inputs[1]
-    ctx.mark_non_differentiable(output[1])
 
 
 def _backward_qkv(ctx, do, _dlse):
@@ -651,10 +592,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = 
     check_heads(q, k, v)
     if backend == "auto":
         backend = resolve_backend(q.device, q.dtype, q.size(-1))
-    if backend == "math":
-        return attention_math(q, k, v)
-    if backend == "sdpa":
-        return attention_sdpa(q, k, v)
-    if backend == "triton":
-        return attention_triton(q, k, v)
-    raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
+    if backend not in IMPLEMENTATIONS:
+        raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
+    return IMPLEMENTATIONS[backend](q, k, v)
+
+
+IMPLEMENTATIONS = {"math": attention_math, "sdpa": attention_sdpa, "triton": attention_triton}

@@ -20,7 +20,7 @@ With --n-kv-head the kernels prune as their grouped-query build (the kv head a r
 dK/dV program looping over its group) and are timed with that many kv heads; one table serves both
 (kernels.SHIPPED has no kv-head key), so a GQA winner is a hint to weigh against the multi-head one.
 
-It prints the winners as kernels.SHIPPED lines, with each one's speed-up over the shipped entry.
+It prints the winners as SHIPPED lines (support/launches.py), with each one's speed-up over the shipped entry.
 Paste them into kernels.py and run tests/test_kernels_aot.py (which then checks them on both
 architectures) and tests/bench_attention.py (which compares them with SDPA).
 """
