@@ -119,7 +119,7 @@ class Source:
         full = checkpoint.consolidate(self.reader)
         with torch.no_grad():
             for name, p in model.named_parameters():
-                key = gpt.canonical_name(name)  # a last stage's lm_head is the tied embedding
+                key = gpt.canonical_name(name, model.config.tied)  # a last stage's lm_head is the tied embedding
                 if key not in full:
                     raise checkpoint.CorruptCheckpoint(f"{self.path}: tensor {key} is not in the checkpoint")
                 p.copy_(checkpoint.local_part(full[key], p))
