@@ -196,10 +196,11 @@ def resolve_defaults(cfg: TrainConfig, device: torch.device, bf16_ok: bool = Tru
     `arch`: under --init-from, the GPTConfig fields of that model (instruments/hf.py reads them)."""
     cuda = device.type == "cuda"
     if cfg.init_from:
-        if cfg.arch == "llama":
-            raise ConfigError("--init-from reads Hugging Face GPT-2 directories; leave out --arch llama")
+        family = arch.get("arch", "gpt2")
+        if cfg.arch not in ("auto", family):
+            raise ConfigError(f"--init-from {cfg.init_from} holds a {family} model; leave out --arch {cfg.arch}")
         block, n_head, n_embd = arch["block_size"], arch["n_head"], arch["n_embd"]
-        cfg.preset, cfg.arch = f"Hugging Face ({cfg.init_from})", "gpt2"
+        cfg.preset, cfg.arch = f"Hugging Face ({cfg.init_from})", family
     else:
         if cfg.preset == "auto":
             cfg.preset = ("smollm2-135m" if cuda else "llama-mini") if cfg.arch == "llama" else \

@@ -75,6 +75,7 @@ class GPTConfig:
     ffn_hidden: int = 0  # SwiGLU's hidden width; 0: Llama's rule (ffn_hidden_rule)
     rope_theta: float = 10000.0  # RoPE's base: the slowest pair turns by pos * theta^(-(D-2)/D)
     tie_embeddings: bool = False  # llama: the output layer is wte (GPT-2 always ties)
+    norm_eps: float = 1e-5  # llama: RMSNorm's epsilon (GPT-2's LayerNorm: 1e-5)
 
     @property
     def padded_vocab(self) -> int:
@@ -108,7 +109,7 @@ class GPTConfig:
         return {k: v for k, v in asdict(self).items() if k not in skip}
 
 
-LLAMA_FIELDS = ("arch", "n_kv_head", "ffn_hidden", "rope_theta", "tie_embeddings")
+LLAMA_FIELDS = ("arch", "n_kv_head", "ffn_hidden", "rope_theta", "tie_embeddings", "norm_eps")
 
 
 def ffn_hidden_rule(n_embd: int, multiple: int = 256) -> int:
@@ -241,7 +242,7 @@ class Attention(nn.Module):
 def norm(cfg: GPTConfig) -> nn.Module:
     """GPT-2's LayerNorm (x - mean) / std * g + b, or Llama's RMSNorm (Zhang & Sennrich 2019), x / rms(x) * g:
     no centring, no bias; re-scaling is what matters, and it is cheaper."""
-    return nn.RMSNorm(cfg.n_embd, eps=1e-5) if cfg.llama else nn.LayerNorm(cfg.n_embd, eps=1e-5)
+    return nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps) if cfg.llama else nn.LayerNorm(cfg.n_embd, eps=1e-5)
 
 
 def rotate(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:

@@ -192,7 +192,7 @@ def test_llama_layout_reproduces_single_process(layout, llama_reference, corpus,
 
 @pytest.mark.parametrize("tp,cp,attn,message", [
     (4, 1, "ring", "--tp 4 does not divide the model's 2 kv heads (grouped-query attention: every tensor-parallel "
-                   "rank needs kv heads of its own); use --tp 2"),
+                   "rank needs kv heads of its own); use --tp 2 or more kv heads (--n-kv-head)"),
     (2, 2, "ulysses", "--cp-attn ulysses needs the kv heads (each cp rank attends with whole ones) per "
                       "tensor-parallel rank (1) divisible by --cp 2; use --cp-attn ring"),
 ])
