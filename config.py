@@ -53,7 +53,7 @@ class TrainConfig:
                             shown="the preset's (10000 unless it says)")
     tie_embeddings: bool | None = arg(None, "llama: the output layer reuses the input embedding (GPT-2 always "
                                       "does)", shown="the preset's (untied unless it says)")
-    init_from: str = arg("", "start from Hugging Face GPT-2 weights: a local model directory (config.json "
+    init_from: str = arg("", "start from Hugging Face GPT-2 or Llama weights: a local model directory (config.json "
                          "and model.safetensors or pytorch_model.bin); its config replaces --preset",
                          shown="none: random init by (seed, name)")
     n_layer: int = arg(0, "transformer blocks; part of the architecture, so a checkpoint of another depth is "

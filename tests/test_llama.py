@@ -185,9 +185,12 @@ def llama_reference(corpus, tmp_path_factory):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_llama_layout_reproduces_single_process(layout, llama_reference, corpus, tmp_path):
+    """...and every collective moves the bytes of its formula (instruments/formulas.py: GQA's smaller K and V
+    in the ring and the all-to-alls, no tied-embedding sum between pipeline stages)."""
     nproc, flags = LAYOUTS[layout]
-    run_train(corpus, tmp_path, *STEPS, *LLAMA, *flags, nproc=nproc)
+    result = run_train(corpus, tmp_path, *STEPS, *LLAMA, *flags, "--comm-report", nproc=nproc)
     assert_same_run(llama_reference, tmp_path)
+    assert "formula matches measurement on every rank: yes" in result.stdout, result.stdout[-3000:]
 
 
 @pytest.mark.parametrize("tp,cp,attn,message", [
