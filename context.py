@@ -45,6 +45,13 @@ tensor-parallel rank, e bytes per element), which --comm-report measures:
 
 The ring's traffic does not depend on the number of heads and it hides behind the block attention; Ulysses
 moves less when N is large (its all-to-alls shrink as 1/N) but cannot go past the number of heads.
+
+The Llama family (model.py) changes two things here. Grouped-query attention: the ring carries H_kv heads of
+keys and values, not H (its K, V terms above shrink by H_kv / H), and Ulysses hands each rank H/N query heads
+and the H_kv/N kv heads they read, so N must divide the kv heads too: with few kv heads (2 per tensor-parallel
+rank, say) Ulysses stops at cp 2 and the ring is the way past it. RoPE: a rank's tokens are two chunks from
+far apart, so its attention layers take their positions from `ContextParallelPositions` (the global ones,
+`positions` below), and each token turns exactly as it would in one process.
 """
 
 from __future__ import annotations

@@ -209,3 +209,14 @@ def test_layouts_that_cannot_split_the_kv_heads_are_refused(tp, cp, attn, messag
 def test_tp_refusal_is_one_line_before_any_work(corpus, tmp_path):
     result = run_train(corpus, tmp_path, *LLAMA, "--tp", "2", "--n-kv-head", "1", nproc=2, check=False, timeout=120)
     assert_stopped_once(result, "--tp 2 does not divide the model's 1 kv heads", 2)
+
+
+def test_beyond_the_position_table_cp2_reproduces_one_process_at_8192_tokens(corpus, tmp_path):
+    """No table caps a Llama's context: llama-tiny (64 positions as a preset) trains on 8,192-token sequences, and
+    context parallelism over 2 ranks, rotating each chunk by its global positions, reproduces one process."""
+    from conftest import final_weights, metrics
+    long = [*LLAMA, "--n-layer", "2", "--block-size", "8192", "--seq-len", "8192", "--batch-size", "1",
+            "--max-steps", "2", "--ckpt-every", "0"]
+    run_train(corpus, tmp_path / "one", *long)
+    run_train(corpus, tmp_path / "cp2", *long, "--cp", "2", nproc=2)
+    assert_same_run((metrics(tmp_path / "one"), final_weights(tmp_path / "one")), tmp_path / "cp2")
