@@ -140,6 +140,7 @@ def test_the_kernel_runs_a_gqa_llama_as_sdpa_does():
     (["--n-kv-head", "2"], "--n-kv-head: only for --arch llama"),
     (["--arch", "llama", "--preset", "tiny", "--n-kv-head", "3"], "--n-kv-head 3 does not divide the tiny "
      "model's 4 heads"),
+    (["--arch", "llama", "--memory-report"], "--memory-report holds the activations to GPT-2's model"),
 ])
 def test_bad_architecture_flags_are_one_line(flags, message):
     with pytest.raises(config.ConfigError, match=message):
