@@ -115,6 +115,14 @@ def zero_traffic(sync: GradSync, n_micro: int, weight_bytes: int) -> dict:
 # ----------------------------------------------------------------------------- memory
 
 
+def kv_cache_bytes(cfg: gpt.GPTConfig, batch: int, tokens: int, element_bytes: int = 2) -> int:
+    """What sampling keeps (model.KVCache): every layer's k and v of every token, 2 L b T H_kv D elements.
+    Grouped-query attention divides it by H / H_kv (Llama-3-8B: by 4), which at long contexts and large
+    batches is most of a server's memory, and the bytes every new token must read."""
+    return 2 * cfg.n_layer * batch * tokens * cfg.kv_heads * cfg.head_dim * element_bytes
+
+
+
 def state_formula(model: torch.nn.Module, opt, sync: GradSync | None, grid: Grid) -> dict[str, tuple[float, str]]:
     """ZeRO's formulas (section 5, figure 1) in this codebase's bytes: weights of P bytes (the
     parameter dtype), fp32 gradients (4; without data parallelism, p.grad in the weights' dtype) and

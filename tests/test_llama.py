@@ -50,6 +50,16 @@ def test_llama_tiny_shapes_and_llama_mini_is_gpt2_mini_sized():
     assert abs(mini / gpt2_mini - 1) < 0.01
 
 
+def test_flops_per_token_counts_swiglus_three_matrices_and_gqas_smaller_kv():
+    """6 N + 12 L H D T, N every weight a matmul uses: counted on a built model, not from the formula."""
+    for cfg in (llama(), llama(n_kv_head=1), llama(tie_embeddings=True)):
+        m = gpt.build(cfg, seed=0)
+        # the input embedding is a lookup; tied, its matrix is the lm_head's (named once, as wte)
+        n = sum(p.numel() for name, p in m.named_parameters() if p.dim() == 2 and name != "transformer.wte.weight")
+        n += m.lm_head.weight.numel() if cfg.tied else 0
+        assert gpt.flops_per_token(cfg, 32) == 6 * n + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * 32
+
+
 def test_a_gpt2_checkpoints_architecture_is_unchanged():
     """Old GPT-2 checkpoints and run.json files name only GPT-2's fields."""
     assert set(gpt.config_from_preset("tiny", 257).architecture()) == \
