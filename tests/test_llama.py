@@ -204,6 +204,18 @@ def test_llama_layout_reproduces_single_process(layout, llama_reference, corpus,
     assert "formula matches measurement on every rank: yes" in result.stdout, result.stdout[-3000:]
 
 
+def test_a_llama_checkpoint_continues_at_another_layout(llama_reference, corpus, tmp_path):
+    """Saved at tp 2 x pp 2 (GQA's unequal q/k/v slices, the untied head on the last stage), killed, resumed on
+    one process: the run is the uninterrupted single-process one."""
+    flags = [*STEPS, *LLAMA, "--ckpt-every", "2"]
+    killed = run_train(corpus, tmp_path, *flags, "--tp", "2", "--pp", "2", "--micro-batch-size", "2",
+                       "--crash-at", "step:2", nproc=4, check=False)
+    assert killed.returncode != 0
+    resumed = run_train(corpus, tmp_path, *flags)
+    assert "(step 2)" in resumed.stdout
+    assert_same_run(llama_reference, tmp_path)
+
+
 @pytest.mark.parametrize("tp,cp,attn,message", [
     (4, 1, "ring", "--tp 4 does not divide the model's 2 kv heads (grouped-query attention: every tensor-parallel "
                    "rank needs kv heads of its own); use --tp 2 or more kv heads (--n-kv-head)"),
