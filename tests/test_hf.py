@@ -133,3 +133,14 @@ def test_llama_export_loads_in_transformers_and_imports_back(corpus, tmp_path):
     for name, w in ours.state_dict().items():
         rows = slice(0, 257) if name in hf.VOCAB_ROWS else slice(None)
         assert torch.equal(back.state_dict()[name][rows], w[rows]), name
+
+
+def test_init_from_a_llama_directory_at_tp2_starts_from_its_weights(corpus, tmp_path):
+    """--init-from a LlamaForCausalLM directory on two tensor-parallel ranks (q, k, v and gate, up cut per rank),
+    one step at lr 1e-30: every weight comes back as Hugging Face's."""
+    hf_llama().save_pretrained(tmp_path / "hf")
+    run_train(corpus, tmp_path / "run", "--init-from", str(tmp_path / "hf"), "--max-steps", "1", "--lr", "1e-30",
+              "--min-lr", "0", "--tp", "2", nproc=2)
+    theirs = hf.read_hf_weights(tmp_path / "hf")
+    for name, w in final_weights(tmp_path / "run").items():
+        assert torch.equal(w[: theirs[name].size(0)], theirs[name]), name
