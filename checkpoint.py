@@ -215,7 +215,7 @@ def load(reader: Reader, model, opt, grid) -> dict:
     params = dict(model.named_parameters())
     values, moments = {}, {}  # this rank's slices, on the CPU until everything has been read
     for name, p in params.items():
-        key = canonical_name(name)
+        key = canonical_name(name, model.config.tied)
         master = f"{key}::master"  # ZeRO under bf16 keeps fp32 masters: the better copy of the weights
         values[name] = local_part(reader.full(master if master in reader else key), p, device="cpu")
         for kind in ("exp_avg", "exp_avg_sq", "master"):

@@ -43,13 +43,23 @@ class TrainConfig:
     cache_dir: str = arg(CACHE_DIR, "where prepared token shards and the tokenizer live")
 
     preset: str = arg("auto", "model size: " + ", ".join(gpt.PRESETS), group="model",
-                      shown="gpt2 on CUDA, mini on CPU")
-    init_from: str = arg("", "start from Hugging Face GPT-2 weights: a local model directory (config.json "
+                      shown="gpt2 on CUDA, mini on CPU; --arch llama: smollm2-135m on CUDA, llama-mini on CPU")
+    arch: str = arg("auto", "architecture: gpt2, or llama (RMSNorm, rotary positions, SwiGLU, grouped-query "
+                    "attention, no biases, untied embeddings: model.py); llama at a GPT-2 preset takes its shape",
+                    choices=["auto", "gpt2", "llama"], shown="the preset's family: gpt2 unless a llama preset")
+    n_kv_head: int = arg(0, "llama: kv heads of grouped-query attention, dividing the heads (the heads: multi-head "
+                         "attention; 1: multi-query); part of the architecture", at_least(1), shown="the preset's")
+    rope_theta: float = arg(0.0, "llama: the base of the rotary position angles (larger: slower-turning pairs, for "
+                            "longer contexts)", (lambda v: 0 < v < math.inf, "must be > 0"),
+                            shown="the preset's (10000 unless it says)")
+    tie_embeddings: bool | None = arg(None, "llama: the output layer reuses the input embedding (GPT-2 always "
+                                      "does)", shown="the preset's (untied unless it says)")
+    init_from: str = arg("", "start from Hugging Face GPT-2 or Llama weights: a local model directory (config.json "
                          "and model.safetensors or pytorch_model.bin); its config replaces --preset",
                          shown="none: random init by (seed, name)")
     n_layer: int = arg(0, "transformer blocks; part of the architecture, so a checkpoint of another depth is "
                        "refused", at_least(1), shown="the preset's")
-    block_size: int = arg(0, "the model's context: rows of its learned position table, the longest --seq-len "
+    block_size: int = arg(0, "the model's context, the longest --seq-len (GPT-2: rows of its learned position table) "
                           "(longer than the preset's for long-context runs, lesson 14); part of the architecture, "
                           "like --n-layer", at_least(1), shown="the preset's")
     seq_len: int = arg(0, "tokens per sequence", at_least(1), shown="the model's context on CUDA, 128 on CPU")
@@ -183,21 +193,27 @@ def resolve_defaults(cfg: TrainConfig, device: torch.device, bf16_ok: bool = Tru
     `arch`: under --init-from, the GPTConfig fields of that model (instruments/hf.py reads them)."""
     cuda = device.type == "cuda"
     if cfg.init_from:
+        family = arch.get("arch", "gpt2")
+        if cfg.arch not in ("auto", family):
+            raise ConfigError(f"--init-from {cfg.init_from} holds a {family} model; leave out --arch {cfg.arch}")
         block, n_head, n_embd = arch["block_size"], arch["n_head"], arch["n_embd"]
-        cfg.preset = f"Hugging Face ({cfg.init_from})"
+        cfg.preset, cfg.arch = f"Hugging Face ({cfg.init_from})", family
     else:
         if cfg.preset == "auto":
-            cfg.preset = "gpt2" if cuda else "mini"
+            cfg.preset = ("smollm2-135m" if cuda else "llama-mini") if cfg.arch == "llama" else \
+                ("gpt2" if cuda else "mini")
         if cfg.preset not in gpt.PRESETS:
             raise ConfigError(f"unknown preset {cfg.preset!r}; choose one of: {', '.join(gpt.PRESETS)}")
-        _, n_head, n_embd, block = gpt.PRESETS[cfg.preset]
+        shape = gpt.PRESETS[cfg.preset]
+        n_head, n_embd, block = shape["n_head"], shape["n_embd"], shape["block_size"]
+        check_arch(cfg, shape.get("arch", "gpt2"))
     if cfg.n_layer and cfg.init_from:
         raise ConfigError("--n-layer cannot change the depth of a Hugging Face model (--init-from); leave it out")
     if cfg.block_size and cfg.init_from:
         raise ConfigError("--block-size cannot change the position table of a Hugging Face model (--init-from, "
                           f"{block} positions); leave it out")
     block = cfg.block_size or block
-    cfg.seq_len = cfg.seq_len or (block if cuda else min(block, 128))
+    cfg.seq_len = cfg.seq_len or (min(block, 2048 if cfg.arch == "llama" else block) if cuda else min(block, 128))
     if cfg.seq_len > block:
         longer = "" if cfg.init_from or cfg.block_size else \
             f", or give the model a longer context: --block-size {cfg.seq_len}"
@@ -216,6 +232,25 @@ def resolve_defaults(cfg: TrainConfig, device: torch.device, bf16_ok: bool = Tru
     check_schedule(cfg)
     cfg.attn = resolve_attention(cfg, device, n_embd // n_head)
     return cfg
+
+
+def check_arch(cfg: TrainConfig, family: str) -> None:
+    """--arch auto becomes the preset's family; a Llama preset cannot be a GPT-2, and the Llama flags
+    mean nothing to a GPT-2."""
+    if cfg.arch == "auto":
+        cfg.arch = family
+    if cfg.arch == "gpt2" and family == "llama":
+        raise ConfigError(f"--preset {cfg.preset} is a Llama-family shape; use --arch llama (or leave --arch out)")
+    llama_flags = {"--n-kv-head": cfg.n_kv_head, "--rope-theta": cfg.rope_theta, "--tie-embeddings": cfg.tie_embeddings}
+    if cfg.arch == "gpt2" and (given := [flag for flag, value in llama_flags.items() if value]):
+        raise ConfigError(f"{', '.join(given)}: only for --arch llama (GPT-2 has multi-head attention, a "
+                          "position table and tied embeddings)")
+    if cfg.arch == "llama" and cfg.memory_report:  # SwiGLU and RMSNorm save other tensors than GELU and LayerNorm
+        raise ConfigError("--memory-report holds the activations to GPT-2's model (formulas.activation_bytes), which "
+                          "is not yet written for --arch llama; leave it out")
+    n_head = gpt.PRESETS[cfg.preset]["n_head"]
+    if cfg.n_kv_head and n_head % cfg.n_kv_head:
+        raise ConfigError(f"--n-kv-head {cfg.n_kv_head} does not divide the {cfg.preset} model's {n_head} heads")
 
 
 def check_schedule(cfg: TrainConfig) -> None:
@@ -281,9 +316,12 @@ def model_config(cfg: TrainConfig, arch: dict | None = None) -> gpt.GPTConfig:
     tokenizer's name, not its file, so a layout that cannot split it fails before any data."""
     vocab = VOCAB_SIZES[cfg.tokenizer]
     if not cfg.init_from:
-        shape = {k: v for k, v in (("n_layer", cfg.n_layer), ("block_size", cfg.block_size)) if v}
+        shape = {k: v for k, v in (("n_layer", cfg.n_layer), ("block_size", cfg.block_size),
+                                   ("n_kv_head", cfg.n_kv_head), ("rope_theta", cfg.rope_theta)) if v}
+        if cfg.tie_embeddings is not None:
+            shape["tie_embeddings"] = cfg.tie_embeddings
         return gpt.config_from_preset(cfg.preset, vocab, dropout=cfg.dropout, attn=cfg.attn,
-                                      recompute=cfg.recompute, **shape)
+                                      recompute=cfg.recompute, arch=cfg.arch, **shape)
     if arch["vocab_size"] != vocab:
         raise ConfigError(f"{cfg.init_from} has a vocabulary of {arch['vocab_size']} tokens but the {cfg.tokenizer} "
                           f"tokenizer has {vocab}; use the tokenizer the model was trained with")

@@ -45,6 +45,13 @@ tensor-parallel rank, e bytes per element), which --comm-report measures:
 
 The ring's traffic does not depend on the number of heads and it hides behind the block attention; Ulysses
 moves less when N is large (its all-to-alls shrink as 1/N) but cannot go past the number of heads.
+
+The Llama family (model.py) changes two things here. Grouped-query attention: the ring carries H_kv heads of
+keys and values, not H (its K, V terms above shrink by H_kv / H), and Ulysses hands each rank H/N query heads
+and the H_kv/N kv heads they read, so N must divide the kv heads too: with few kv heads (2 per tensor-parallel
+rank, say) Ulysses stops at cp 2 and the ring is the way past it. RoPE: a rank's tokens are two chunks from
+far apart, so its attention layers take their positions from `ContextParallelPositions` (the global ones,
+`positions` below), and each token turns exactly as it would in one process.
 """
 
 from __future__ import annotations
@@ -56,7 +63,7 @@ import torch
 import torch.nn as nn
 
 from kernels import flash_backward, flash_forward, launch_config, unpack_qkv
-from model import Attention
+from model import Attention, Positions
 from parallel import Grid
 from support.interrupt import peer_call
 
@@ -92,6 +99,20 @@ def split_input(grid: Grid, dim: int):
     return hook
 
 
+class ContextParallelPositions(Positions):
+    """RoPE's positions (model.Positions) for this rank's T/cp tokens: not 0..T/cp-1 but the global positions
+    of its two chunks, so every token turns as it would in one process."""
+
+    def __init__(self, grid: Grid):
+        super().__init__()
+        self.grid = grid
+
+    def forward(self, T: int, start: int, device: torch.device) -> torch.Tensor:
+        if not self.grid.cp_on:
+            return super().forward(T, start, device)
+        return positions(T * self.grid.cp, self.grid.cp, self.grid.cp_rank, device) + start
+
+
 class ContextParallelLoss(nn.Module):
     """The model's loss layer, given this rank's targets: the mean over its tokens. The slices are the
     same size, so the mean over the cp ranks (the gradient average, the reported loss) is the whole mean."""
@@ -116,9 +137,10 @@ def block_attention(q, k, v, causal: bool, kernel: bool):
     """Attention of queries q (B, H, Tq, D) to one block of keys and values (B, H, Tk, D): causal (the
     square lower triangle) or every key visible. Returns the output (fp32) and the natural log-sum-exp
     of every score row (B, H, Tq), which is what merging blocks needs."""
-    if kernel:
+    if kernel:  # the kernel reads a kv head for each group of query heads where it lies (GQA)
         o, lse2 = flash_forward(q, k, v, launch_config(q.size(-1), q.dtype), causal=causal)
         return o.float(), lse2 * math.log(2)  # the kernel works in base 2
+    k, v = repeat_kv(k, q.size(1)), repeat_kv(v, q.size(1))
     # fp32 even under autocast, which would run these matmuls in 16 bits: the backward rebuilds P in fp32
     # from this log-sum-exp, and the two must agree
     with torch.autocast(q.device.type, enabled=False):
@@ -139,6 +161,8 @@ def block_attention_backward(q, k, v, out, lse, dout, causal: bool, kernel: bool
         grads = flash_backward(q, k, v, out, (lse / math.log(2)).contiguous(), dout,
                                launch_config(q.size(-1), q.dtype), causal=causal)
         return [g.float() for g in grads]
+    H_kv = k.size(1)
+    k, v = repeat_kv(k, q.size(1)), repeat_kv(v, q.size(1))
     with torch.autocast(q.device.type, enabled=False):  # fp32, as the forward, whatever the caller's autocast
         q, k, v, out, dout = (x.to(lse.dtype) for x in (q, k, v, out, dout))
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
@@ -150,7 +174,13 @@ def block_attention_backward(q, k, v, out, lse, dout, causal: bool, kernel: bool
             dq[:, :, rows] = ds @ kc
             dk[:, :, keys] += ds.transpose(-2, -1) @ qc
             dv[:, :, keys] += p.transpose(-2, -1) @ doc
-        return dq, dk, dv
+        G = q.size(1) // H_kv  # GQA: a kv head's gradient is the sum over its group's query heads
+        return dq, dk.unflatten(1, (H_kv, G)).sum(2), dv.unflatten(1, (H_kv, G)).sum(2)
+
+
+def repeat_kv(x: torch.Tensor, n_head: int) -> torch.Tensor:
+    """(B, H_kv, T, D) -> (B, n_head, T, D), each kv head repeated for its group (the math path's GQA)."""
+    return x if x.size(1) == n_head else x.repeat_interleave(n_head // x.size(1), dim=1)
 
 
 def query_chunks(q, k, causal: bool):
@@ -193,14 +223,23 @@ def merge(out: torch.Tensor, lse: torch.Tensor, o_b: torch.Tensor, lse_b: torch.
 # ----------------------------------------------------------------------------- ring attention
 
 
+def split_packed(qkv: torch.Tensor, n_kv_head: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The packed projection (B, Tl, 3, H, D), or (B, Tl, H + 2 H_kv, D) under GQA -> q (B, H, Tl, D), a
+    view, and the block that travels, k and v as one (B, Tl, 2, H_kv, D): under GQA the ring moves
+    H_kv heads, not H, of keys and values (and of their gradients)."""
+    q, _, _ = unpack_qkv(qkv, n_kv_head)
+    kv = qkv[:, :, 1:] if n_kv_head is None else qkv[:, :, q.size(1):].unflatten(2, (2, n_kv_head))
+    return q, kv.contiguous()
+
+
 class RingAttentionFn(torch.autograd.Function):
-    """qkv (B, T/cp, 3, H, D) of this rank's tokens -> (B, H, T/cp, D), attending to every rank's keys."""
+    """qkv (B, T/cp, 3, H, D) of this rank's tokens (or GQA's (B, T/cp, H + 2 H_kv, D)) -> (B, H, T/cp, D),
+    attending to every rank's keys."""
 
     @staticmethod
-    def forward(ctx, qkv: torch.Tensor, grid: Grid, kernel: bool) -> torch.Tensor:
-        ctx.grid, ctx.kernel = grid, kernel
-        q, _, _ = unpack_qkv(qkv)  # (B, H, Tl, D)
-        kv = qkv[:, :, 1:].contiguous()  # (B, Tl, 2, H, D): the block that travels
+    def forward(ctx, qkv: torch.Tensor, grid: Grid, kernel: bool, n_kv_head: int | None = None) -> torch.Tensor:
+        ctx.grid, ctx.kernel, ctx.n_kv_head = grid, kernel, n_kv_head
+        q, kv = split_packed(qkv, n_kv_head)  # (B, H, Tl, D); (B, Tl, 2, H_kv, D): the block that travels
         wide = torch.promote_types(qkv.dtype, torch.float32)  # partial results are merged in fp32 at least
         out = torch.zeros(q.shape, dtype=wide, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=wide, device=q.device)
@@ -212,7 +251,7 @@ class RingAttentionFn(torch.autograd.Function):
             merge(out[:, :, rows], lse[:, :, rows], o_b, lse_b)
             wait_all(works)
             kv = incoming
-        B, Tl, _, H, D = qkv.shape
+        B, H, Tl, D = q.shape
         out = qkv.new_empty(B, Tl, H, D).transpose(1, 2).copy_(out)  # laid out (B, T, H, D): the model's
         ctx.save_for_backward(qkv, out, lse)  # transpose back is free, and c_proj saves this very tensor
         return out  # O(T/cp) per rank is all that is kept: no scores
@@ -221,11 +260,10 @@ class RingAttentionFn(torch.autograd.Function):
     def backward(ctx, dout: torch.Tensor):
         grid, kernel = ctx.grid, ctx.kernel
         qkv, out, lse = ctx.saved_tensors
-        q, _, _ = unpack_qkv(qkv)
+        q, kv = split_packed(qkv, ctx.n_kv_head)
         dout = dout.contiguous()
-        kv = qkv[:, :, 1:].contiguous()
         dq = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)
-        acc = None  # dK, dV (B, Tl, 2, H, D) fp32 of the block in hand, summed over the ranks it has visited
+        acc = None  # dK, dV (B, Tl, 2, H_kv, D) fp32 of the block in hand, summed over the ranks it has visited
         for step in range(grid.cp):
             incoming = torch.empty_like(kv) if step < grid.cp - 1 else None
             acc_in = torch.empty_like(acc) if step > 0 else None  # the next block's sum so far
@@ -243,12 +281,15 @@ class RingAttentionFn(torch.autograd.Function):
             home = torch.empty_like(acc)
             wait_all(ring_pass(grid, [(acc, home, DKV)]))
             acc = home
-        dqkv = torch.cat([dq.transpose(1, 2).unsqueeze(2), acc], dim=2)  # (B, Tl, 3, H, D)
-        return dqkv.to(qkv.dtype), None, None
+        if ctx.n_kv_head is None:
+            dqkv = torch.cat([dq.transpose(1, 2).unsqueeze(2), acc], dim=2)  # (B, Tl, 3, H, D)
+        else:
+            dqkv = torch.cat([dq.transpose(1, 2), acc.flatten(2, 3)], dim=2)  # (B, Tl, H + 2 H_kv, D)
+        return dqkv.to(qkv.dtype), None, None, None
 
 
 def heads_first(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, Tk, 2, H, D) -> k, v as (B, H, Tk, D) views."""
+    """(B, Tk, 2, H_kv, D) -> k, v as (B, H_kv, Tk, D) views."""
     return kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
 
 
@@ -278,10 +319,10 @@ class RingAttention(nn.Module):
     # Messages inside autograd Functions do not compile: under torch.compile this core runs eagerly,
     # between two graphs of its block (as the Ulysses core does).
     @torch.compiler.disable
-    def forward(self, qkv):  # (B, T/cp, 3, H, D)
+    def forward(self, qkv, n_kv_head=None):  # (B, T/cp, 3, H, D) or (B, T/cp, H + 2 H_kv, D)
         if not self.grid.cp_on:
-            return self.local(qkv)
-        return RingAttentionFn.apply(qkv, self.grid, self.backend == "triton")
+            return self.local(qkv, n_kv_head)
+        return RingAttentionFn.apply(qkv, self.grid, self.backend == "triton", n_kv_head)
 
 
 # ----------------------------------------------------------------------------- Ulysses
@@ -319,13 +360,19 @@ class UlyssesAttention(nn.Module):
         self.grid, self.backend, self.local = grid, backend, Attention(backend)
 
     @torch.compiler.disable  # eager between two graphs of a compiled block, as the ring core
-    def forward(self, qkv):  # (B, T/cp, 3, H, D)
+    def forward(self, qkv, n_kv_head=None):  # (B, T/cp, 3, H, D) or (B, T/cp, H + 2 H_kv, D)
         if not self.grid.cp_on:
-            return self.local(qkv)
-        cp = self.grid.cp  # shard.check_layout made sure it divides the heads
-        whole = AllToAll.apply(qkv, self.grid, 3, 1)  # (B, T, 3, H/cp, D): every rank's tokens, in rank order
+            return self.local(qkv, n_kv_head)
+        cp = self.grid.cp  # shard.check_layout made sure it divides the (kv) heads
+        if n_kv_head is None:
+            whole = AllToAll.apply(qkv, self.grid, 3, 1)  # (B, T, 3, H/cp, D): every rank's tokens, in rank order
+        else:  # GQA: each cp rank gets H/cp query heads and the H_kv/cp kv heads they read
+            q, k, v = qkv.split([qkv.size(2) - 2 * n_kv_head, n_kv_head, n_kv_head], dim=2)
+            by_rank = torch.cat([x.unflatten(2, (cp, -1)) for x in (q, k, v)], dim=3)  # (B, T/cp, cp, heads/cp, D)
+            whole = AllToAll.apply(by_rank, self.grid, 2, 1).squeeze(2)  # (B, T, (H + 2 H_kv)/cp, D)
+            n_kv_head //= cp
         order, in_order = rank_order(whole.size(1), cp, qkv.device)
-        y = self.local(whole.index_select(1, in_order))  # (B, H/cp, T, D), causal in true order
+        y = self.local(whole.index_select(1, in_order), n_kv_head)  # (B, H/cp, T, D), causal in true order
         return AllToAll.apply(y.index_select(2, order), self.grid, 2, 1)  # (B, H, T/cp, D)
 
 
@@ -347,7 +394,10 @@ def apply_context_parallel(model: nn.Module, grid: Grid) -> None:
     core = {"ring": RingAttention, "ulysses": UlyssesAttention}[grid.cp_attn]
     for block in model.transformer.h:
         block.attn.core = core(grid, block.attn.backend)
+        if block.attn.positions is not None:  # RoPE: rotate by global positions
+            block.attn.positions = ContextParallelPositions(grid)
     model.transformer.wte.register_forward_pre_hook(split_input(grid, dim=1))  # ids (B, T) -> (B, T/cp)
-    model.transformer.wpe.register_forward_pre_hook(split_input(grid, dim=0))  # positions (T,) -> (T/cp,)
+    if "wpe" in model.transformer:  # GPT-2's table
+        model.transformer.wpe.register_forward_pre_hook(split_input(grid, dim=0))  # positions (T,) -> (T/cp,)
     model.loss = ContextParallelLoss(model.loss, grid)
 

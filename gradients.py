@@ -250,7 +250,7 @@ def finish_grads(model: torch.nn.Module, grid: Grid, sync: GradSync | None) -> N
         flat = torch.cat([g.flatten() for g in partial])
         grid.all_reduce(flat, "tp")
         torch._foreach_copy_(partial, [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in partial]), partial)])
-    if grid.pp > 1 and (grid.first_stage or grid.last_stage):
+    if grid.pp > 1 and model.config.tied and (grid.first_stage or grid.last_stage):  # untied (Llama): two matrices
         grid.all_reduce(tied_grad(model, grid, sync), "embed")
 
 

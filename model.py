@@ -1,4 +1,4 @@
-"""GPT-2, exactly, on one device.
+"""GPT-2, exactly, on one device; and the Llama family, as a handful of named choices on the same model.
 
     tokens (B, T) ─▶ wte + wpe ─▶ [ Block ] × n_layer ─▶ ln_f ─▶ lm_head (= wte^T) ─▶ logits (B, T, V)
 
@@ -8,6 +8,24 @@
 This is the model of Radford et al. 2019 ("Language Models are Unsupervised Multitask
 Learners") with the parameter names of the released checkpoints, so Hugging Face GPT-2
 weights load unchanged (their Conv1D weights are our nn.Linear weights transposed).
+
+`arch="llama"` (Touvron et al. 2023, LLaMA; the shape almost every open model has today) changes five
+things, each a small choice below, never a second copy of the model:
+
+    normalization   RMSNorm (Zhang & Sennrich 2019): x / rms(x) * g, no mean, no bias   `norm`
+    positions       no table: RoPE (Su et al. 2021) rotates each q and k pair of       `rotate`, `Positions`
+                    features by an angle pos * theta^(-2i/D), so q.k depends only on
+                    the distance between the two positions; any length trains
+    MLP             SwiGLU (Shazeer 2020): c_proj(silu(x W) * (x V)), hidden 2/3 * 4C  `MLP`, `ffn_hidden`
+                    rounded up to a multiple of 256 (three matrices cost what two did)
+    attention       grouped-query (Ainslie et al. 2023): n_kv_head <= n_head kv heads,  `n_kv_head`
+                    each shared by n_head / n_kv_head query heads (kernels.py)
+    the rest        no biases anywhere; the output layer its own matrix (untied), unless `tie_embeddings`
+
+The parameter names stay GPT-2's (c_attn holds q, k, v; c_fc holds SwiGLU's W and V), so every parallel
+transformation below (shard.py, context.py, pipeline.py, zero.py) works on both. The positions are passed
+to the rotation explicitly, by a `Positions` layer, so that context parallelism, whose ranks hold
+non-contiguous chunks of a sequence, rotates each token by its *global* position (context.py swaps it).
 
 Three things here exist for the rest of the codebase:
 
@@ -28,6 +46,7 @@ Three things here exist for the rest of the codebase:
    masked out when sampling.
 """
 
+import functools
 import hashlib
 import math
 from dataclasses import asdict, dataclass, fields
@@ -50,6 +69,13 @@ class GPTConfig:
     dropout: float = 0.0
     attn: str = "auto"  # attention backend, see kernels.py; not part of the architecture
     recompute: str = "none"  # "selective" (the attention core) or "full" (each block); see Recompute
+    # The Llama family's choices (module docstring); GPT-2 ignores them.
+    arch: str = "gpt2"  # "gpt2" or "llama"
+    n_kv_head: int = 0  # kv heads for grouped-query attention; 0: n_head (multi-head)
+    ffn_hidden: int = 0  # SwiGLU's hidden width; 0: Llama's rule (ffn_hidden_rule)
+    rope_theta: float = 10000.0  # RoPE's base: the slowest pair turns by pos * theta^(-(D-2)/D)
+    tie_embeddings: bool = False  # llama: the output layer is wte (GPT-2 always ties)
+    norm_eps: float = 1e-5  # llama: RMSNorm's epsilon (GPT-2's LayerNorm: 1e-5)
 
     @property
     def padded_vocab(self) -> int:
@@ -59,35 +85,79 @@ class GPTConfig:
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
 
+    @property
+    def llama(self) -> bool:
+        return self.arch == "llama"
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @property
+    def tied(self) -> bool:
+        return not self.llama or self.tie_embeddings
+
+    @property
+    def hidden(self) -> int:
+        """The MLP's hidden width: 4C for GPT-2; SwiGLU's ffn_hidden for Llama."""
+        return (self.ffn_hidden or ffn_hidden_rule(self.n_embd)) if self.llama else 4 * self.n_embd
+
     def architecture(self) -> dict:
-        """The fields that decide parameter shapes (what a checkpoint must agree on)."""
-        return {k: v for k, v in asdict(self).items() if k not in ("dropout", "attn", "recompute")}
+        """The fields that decide parameter shapes (what a checkpoint must agree on). A GPT-2's leaves out
+        the Llama fields, so its checkpoints read as they always have."""
+        skip = {"dropout", "attn", "recompute"} | (set() if self.llama else set(LLAMA_FIELDS))
+        return {k: v for k, v in asdict(self).items() if k not in skip}
 
 
-# (n_layer, n_head, n_embd, block_size). The four GPT-2 sizes, then small ones for CPUs.
+LLAMA_FIELDS = ("arch", "n_kv_head", "ffn_hidden", "rope_theta", "tie_embeddings", "norm_eps")
+
+
+def ffn_hidden_rule(n_embd: int, multiple: int = 256) -> int:
+    """Llama's SwiGLU width: 2/3 of GPT-2's 4C (three matrices instead of two, the same parameters),
+    rounded up to a multiple of 256 so the matmuls hit fast shapes and tensor parallelism divides it."""
+    return multiple * math.ceil(8 * n_embd / 3 / multiple)
+
+
+# The four GPT-2 sizes, small ones for CPUs; then the Llama family: two small ones for CPUs, and the
+# published shapes of three released models (shapes only: no weights are fetched; with their vocabularies,
+# which a run's tokenizer replaces). Published totals: SmolLM2-135M 134.5M, Llama-3.2-1B 1.24B, Llama-3-8B
+# 8.03B (tests/test_model.py counts them).
 PRESETS = {
-    "gpt2": (12, 12, 768, 1024),  # 124M
-    "gpt2-medium": (24, 16, 1024, 1024),  # 350M
-    "gpt2-large": (36, 20, 1280, 1024),  # 774M
-    "gpt2-xl": (48, 25, 1600, 1024),  # 1558M
-    "small": (6, 8, 384, 256),  # a CPU run that learns in minutes
-    "mini": (4, 4, 256, 256),  # the default on a CPU
-    "tiny": (4, 4, 64, 64),  # tests: a step in milliseconds; divisible by tp and pp up to 4
+    "gpt2": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024),  # 124M
+    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024, block_size=1024),  # 350M
+    "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280, block_size=1024),  # 774M
+    "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600, block_size=1024),  # 1558M
+    "small": dict(n_layer=6, n_head=8, n_embd=384, block_size=256),  # a CPU run that learns in minutes
+    "mini": dict(n_layer=4, n_head=4, n_embd=256, block_size=256),  # the default on a CPU
+    "tiny": dict(n_layer=4, n_head=4, n_embd=64, block_size=64),  # tests: divisible by tp and pp up to 4
+    # tests: tiny's shape, 2 kv heads (a real GQA group of 2), untied
+    "llama-tiny": dict(arch="llama", n_layer=4, n_head=4, n_kv_head=2, n_embd=64, block_size=64),
+    # lessons: mini's shape, tied as small models are: GPT-2 mini's parameters within 1%
+    "llama-mini": dict(arch="llama", n_layer=4, n_head=4, n_kv_head=2, n_embd=256, block_size=256,
+                       tie_embeddings=True),
+    "smollm2-135m": dict(arch="llama", n_layer=30, n_head=9, n_kv_head=3, n_embd=576, ffn_hidden=1536,
+                         block_size=8192, rope_theta=100000.0, tie_embeddings=True, vocab_size=49152),
+    # trained at 8192 before its 128K stage, whose RoPE rescaling is not implemented here
+    "llama-3.2-1b": dict(arch="llama", n_layer=16, n_head=32, n_kv_head=8, n_embd=2048, ffn_hidden=8192,
+                         block_size=8192, rope_theta=500000.0, tie_embeddings=True, vocab_size=128256),
+    "llama-3-8b": dict(arch="llama", n_layer=32, n_head=32, n_kv_head=8, n_embd=4096, ffn_hidden=14336,
+                       block_size=8192, rope_theta=500000.0, vocab_size=128256),
 }
 
 
-def config_from_preset(name: str, vocab_size: int, **overrides) -> GPTConfig:
+def config_from_preset(name: str, vocab_size: int | None = None, **overrides) -> GPTConfig:
+    """A preset's config; vocab_size (a tokenizer's) replaces the preset's, and overrides any field."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
-    n_layer, n_head, n_embd, block_size = PRESETS[name]
-    cfg = GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size,
-                    vocab_size=vocab_size)
-    for key, value in overrides.items():
+    cfg = GPTConfig(**PRESETS[name])
+    for key, value in {**({"vocab_size": vocab_size} if vocab_size else {}), **overrides}.items():
         if key not in {f.name for f in fields(GPTConfig)}:
             raise ValueError(f"unknown config field {key!r}")
         setattr(cfg, key, value)
     if cfg.n_embd % cfg.n_head:
         raise ValueError(f"n_embd={cfg.n_embd} is not divisible by n_head={cfg.n_head}")
+    if cfg.n_head % cfg.kv_heads:
+        raise ValueError(f"n_kv_head={cfg.kv_heads} does not divide n_head={cfg.n_head}")
     return cfg
 
 
@@ -145,6 +215,10 @@ class KVCache:
     def __init__(self):
         self.k = self.v = None
 
+    @property
+    def length(self) -> int:
+        return 0 if self.k is None else self.k.size(2)
+
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # (B, H, T_new, D) each; cat is fine at sampling sizes and keeps the code obvious
         self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
@@ -161,8 +235,41 @@ class Attention(nn.Module):
         super().__init__()
         self.backend = backend
 
-    def forward(self, qkv: torch.Tensor) -> torch.Tensor:
-        return attention_packed(qkv, self.backend)
+    def forward(self, qkv: torch.Tensor, n_kv_head: int | None = None) -> torch.Tensor:
+        return attention_packed(qkv, self.backend, n_kv_head)
+
+
+def norm(cfg: GPTConfig) -> nn.Module:
+    """GPT-2's LayerNorm (x - mean) / std * g + b, or Llama's RMSNorm (Zhang & Sennrich 2019), x / rms(x) * g:
+    no centring, no bias; re-scaling is what matters, and it is cheaper."""
+    return nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps) if cfg.llama else nn.LayerNorm(cfg.n_embd, eps=1e-5)
+
+
+def rotate(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
+    """RoPE (Su et al. 2021, "RoFormer"): x (..., T, heads, D) at positions pos (T,). Feature i of the first
+    half and feature i of the second half form a pair, a point in the plane, turned by the angle
+    pos * theta^(-2i/D) (the half-split pairing of Hugging Face's Llama, whose weights then load as they are):
+
+        (a, b) -> (a cos - b sin, a sin + b cos)
+
+    A rotation keeps lengths, and q_m . k_n of two rotated vectors depends on their angles only through
+    m - n: attention sees relative positions, and no table caps the length. Fast pairs tell near tokens
+    apart, slow ones (up to theta) far ones. The angles are computed in fp32 (fp64 for fp64 x)."""
+    D = x.size(-1)
+    wide = torch.promote_types(x.dtype, torch.float32)
+    freq = theta ** (-torch.arange(0, D, 2, device=x.device, dtype=wide) / D)  # (D/2,)
+    angle = pos.to(wide)[:, None] * freq  # (T, D/2)
+    cos, sin = angle.cos()[:, None].to(x.dtype), angle.sin()[:, None].to(x.dtype)  # (T, 1, D/2)
+    a, b = x[..., : D // 2], x[..., D // 2:]
+    return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
+
+
+class Positions(nn.Module):
+    """The positions of the T tokens an attention layer sees, `start` onward (start > 0: after a KV cache).
+    A layer of its own so that context parallelism can swap in the global positions of its chunks."""
+
+    def forward(self, T: int, start: int, device: torch.device) -> torch.Tensor:
+        return torch.arange(start, start + T, device=device)
 
 
 class CausalSelfAttention(nn.Module):
@@ -172,43 +279,69 @@ class CausalSelfAttention(nn.Module):
         self.backend = cfg.attn
         self.core = Attention(cfg.attn)
         self.recompute_core = cfg.recompute == "selective"
-        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)  # q, k, v for all heads at once
-        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        # q, k, v for all heads at once: 3 H D outputs, or H D + 2 H_kv D under GQA
+        width = (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim
+        self.c_attn = nn.Linear(cfg.n_embd, width, bias=not cfg.llama)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=not cfg.llama)
         self.resid_dropout = nn.Dropout(cfg.dropout)
+        # Llama: RoPE, and the share of kv heads among the projection's heads (so that a tensor-parallel
+        # rank, holding H/tp query and H_kv/tp kv heads, finds its own)
+        self.positions = Positions() if cfg.llama else None
+        self.rope_theta, self.kv_share = cfg.rope_theta, cfg.kv_heads / (cfg.n_head + 2 * cfg.kv_heads)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         qkv = self.c_attn(x)  # (B, T, 3 * H * D); under tensor parallelism H is this rank's heads
         B, T, _ = qkv.shape
-        qkv = qkv.view(B, T, 3, -1, self.head_dim)  # a view, not a copy; our kernel takes it whole
-        if cache is not None:
-            q, k, v = unpack_qkv(qkv)  # (B, H, T, D) views
-            k, v = cache.append(k, v)  # (B, H, T_past + T, D)
-            y = attention(q, k, v, self.backend)
-        elif self.recompute_core:  # keep qkv; the softmax and what it needs are rebuilt in the backward
-            y = recompute(self.core, qkv)
+        n_kv = None
+        if self.positions is None:
+            qkv = qkv.view(B, T, 3, -1, self.head_dim)  # a view, not a copy; our kernel takes it whole
         else:
-            y = self.core(qkv)  # (B, H, T, D)
+            qkv, n_kv = self.rotary(qkv.view(B, T, -1, self.head_dim), 0 if cache is None else cache.length)
+        if cache is not None:
+            q, k, v = unpack_qkv(qkv, n_kv)  # (B, H, T, D), (B, H_kv, T, D) views
+            k, v = cache.append(k, v)  # (B, H_kv, T_past + T, D)
+            y = attention(q, k, v, self.backend)
+        else:
+            core = self.core if n_kv is None else functools.partial(self.core, n_kv_head=n_kv)
+            # selective: keep qkv; the softmax and what it needs are rebuilt in the backward
+            y = recompute(core, qkv) if self.recompute_core else core(qkv)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, H * D)
         return self.resid_dropout(self.c_proj(y))
 
+    def rotary(self, qkv: torch.Tensor, start: int) -> tuple[torch.Tensor, int]:
+        """(B, T, H + 2 H_kv, D) -> the same with q and k rotated by their positions, and H_kv."""
+        n_kv = round(qkv.size(2) * self.kv_share)
+        q, k, v = qkv.split([qkv.size(2) - 2 * n_kv, n_kv, n_kv], dim=2)
+        pos = self.positions(qkv.size(1), start, qkv.device)  # (T,): global ones under context parallelism
+        theta = self.rope_theta
+        return torch.cat([rotate(q, pos, theta), rotate(k, pos, theta), v], dim=2), n_kv
+
 
 class MLP(nn.Module):
+    """GPT-2: c_proj(gelu(c_fc(x))), 4C wide. Llama: SwiGLU (Shazeer 2020, "GLU Variants Improve
+    Transformer"): c_proj(silu(x W) * (x V)), a gate that multiplies; c_fc holds W and V stacked (so
+    tensor parallelism splits each by columns, as it splits q, k and v)."""
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
-        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+        self.swiglu = cfg.llama
+        self.c_fc = nn.Linear(cfg.n_embd, (2 if cfg.llama else 1) * cfg.hidden, bias=not cfg.llama)
+        self.c_proj = nn.Linear(cfg.hidden, cfg.n_embd, bias=not cfg.llama)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            gate, up = self.c_fc(x).chunk(2, dim=-1)  # (B, T, hidden) each; this rank's columns under tp
+            return self.dropout(self.c_proj(F.silu(gate) * up))
         return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
 
 
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.n_embd, eps=1e-5)
+        self.ln_1 = norm(cfg)
         self.attn = CausalSelfAttention(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=1e-5)
+        self.ln_2 = norm(cfg)
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
@@ -236,10 +369,13 @@ class GPT(nn.Module):
             wpe=nn.Embedding(cfg.block_size, cfg.n_embd, _weight=torch.empty(cfg.block_size, cfg.n_embd)),
             drop=nn.Dropout(cfg.dropout),
             h=nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)]),
-            ln_f=nn.LayerNorm(cfg.n_embd, eps=1e-5),
+            ln_f=norm(cfg),
         ))
+        if cfg.llama:
+            del self.transformer["wpe"]  # RoPE rotates q and k instead (CausalSelfAttention)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.padded_vocab, bias=False)
-        self.lm_head.weight = self.transformer.wte.weight  # weight tying, as in GPT-2
+        if cfg.tied:
+            self.lm_head.weight = self.transformer.wte.weight  # weight tying, as in GPT-2
         self.loss = CrossEntropy()  # shard.py swaps in the vocab-parallel loss
         self.gather_vocab = nn.Identity()  # ...and an all-gather of the vocab shards, for sampling
 
@@ -249,6 +385,8 @@ class GPT(nn.Module):
         if start + T > self.config.block_size:
             raise ValueError(f"sequence of {start + T} tokens is longer than the model's context "
                              f"(block_size={self.config.block_size})")
+        if self.config.llama:  # positions enter in attention, as rotations
+            return self.transformer.drop(self.transformer.wte(idx))  # (B, T, C)
         pos = torch.arange(start, start + T, device=idx.device)
         return self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
 
@@ -332,16 +470,17 @@ def stable_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
-def canonical_name(name: str) -> str:
-    """lm_head.weight *is* wte.weight; a pipeline's last stage holds a copy that must match."""
-    return "transformer.wte.weight" if name == "lm_head.weight" else name
+def canonical_name(name: str, tied: bool = True) -> str:
+    """Tied, lm_head.weight *is* wte.weight; a pipeline's last stage holds a copy that must match."""
+    return "transformer.wte.weight" if tied and name == "lm_head.weight" else name
 
 
-def init_value(name: str, shape: torch.Size, seed: int, n_layer: int) -> torch.Tensor:
+def init_value(name: str, shape: torch.Size, seed: int, n_layer: int, tied: bool = True) -> torch.Tensor:
     """The full fp32 initial value of parameter `name`: GPT-2's scheme, drawn from its own stream.
     N(0, 0.02) for weights and embeddings, scaled by 1/sqrt(2 n_layer) for the projections that
-    write into the residual stream (GPT-2 paper, section 2.3); zero biases; LayerNorm gain 1."""
-    name = canonical_name(name)
+    write into the residual stream (GPT-2 paper, section 2.3); zero biases; LayerNorm (RMSNorm) gain 1.
+    Llama uses the same: an untied lm_head draws its own N(0, 0.02)."""
+    name = canonical_name(name, tied)
     if name.endswith(".bias"):
         return torch.zeros(shape)
     if ".ln_" in name or name.startswith("transformer.ln_f"):
@@ -369,7 +508,7 @@ def materialize(model: GPT, seed: int, device: torch.device | str = "cpu", shard
             name = f"{module_name}.{pname}" if module_name else pname
             if id(param) not in done:  # a tied parameter is created once and shared
                 if values:
-                    value = init_value(name, shapes[name], seed, model.config.n_layer)
+                    value = init_value(name, shapes[name], seed, model.config.n_layer, model.config.tied)
                     value = (shard_fn(name, value) if shard_fn else value).to(device)
                 else:
                     value = placeholder(param.shape, torch.float32, device)
@@ -395,17 +534,28 @@ def count_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def n_params(cfg: GPTConfig) -> int:
-    """count_params of a GPT of this shape, without building one: per block 12 C^2 + 13 C (attention
-    4 C^2 + 4 C, MLP 8 C^2 + 5 C, two LayerNorms 4 C), the tied embedding V C, the position table T C
-    and the final LayerNorm 2 C."""
+def block_matrices(cfg: GPTConfig) -> int:
+    """Weights of one block's matmuls: q and o are C x C, k and v C x H_kv D each (GQA: smaller), and the
+    MLP's 2 (GPT-2) or 3 (SwiGLU) C x hidden."""
     C = cfg.n_embd
+    return 2 * C * C + 2 * C * cfg.kv_heads * cfg.head_dim + (3 if cfg.llama else 2) * C * cfg.hidden
+
+
+def n_params(cfg: GPTConfig) -> int:
+    """count_params of a GPT of this shape, without building one. GPT-2: per block 12 C^2 + 13 C (attention
+    4 C^2 + 4 C, MLP 8 C^2 + 5 C, two LayerNorms 4 C), the tied embedding V C, the position table T C
+    and the final LayerNorm 2 C. Llama: per block its matrices and two RMSNorm gains 2 C, the embedding
+    V C (twice, untied), the final RMSNorm C."""
+    C, V = cfg.n_embd, cfg.padded_vocab
+    if cfg.llama:
+        return cfg.n_layer * (block_matrices(cfg) + 2 * C) + (1 if cfg.tied else 2) * V * C + C
     return cfg.n_layer * (12 * C * C + 13 * C) + (cfg.padded_vocab + cfg.block_size) * C + 2 * C
 
 
 def flops_per_token(cfg: GPTConfig, seq_len: int) -> float:
     """Training FLOPs per token, PaLM appendix B: 6N + 12 L H Q T. N counts every weight that takes
-    part in a matmul: the blocks and the (tied) lm_head, not the position table."""
-    C, L = cfg.n_embd, cfg.n_layer
-    n_matmul = L * 12 * C * C + cfg.padded_vocab * C
+    part in a matmul: the blocks and the lm_head, not the position table nor the input embedding (a
+    lookup; tied, it is the lm_head). 12 L H Q T is attention's scores and mixing, whatever H_kv."""
+    L = cfg.n_layer
+    n_matmul = L * block_matrices(cfg) + cfg.padded_vocab * cfg.n_embd
     return 6 * n_matmul + 12 * L * cfg.n_head * cfg.head_dim * seq_len

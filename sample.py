@@ -68,8 +68,8 @@ from support.cli import arg, at_least
 @dataclass
 class SampleConfig:
     ckpt: str = arg("out", "what to sample from: a run directory (train.py's --out: its newest usable checkpoint), "
-                    "a ckpt/ directory, one step_XXXXXXXX checkpoint, or a Hugging Face GPT-2 directory")
-    hf: str = arg("", "a Hugging Face GPT-2 model directory (config.json and model.safetensors or "
+                    "a ckpt/ directory, one step_XXXXXXXX checkpoint, or a Hugging Face GPT-2 or Llama directory")
+    hf: str = arg("", "a Hugging Face GPT-2 or Llama model directory (config.json and model.safetensors or "
                   "pytorch_model.bin); used instead of --ckpt")
     prompt: str = arg("", "text to continue; it follows <|endoftext|>, as every document did in training "
                       "(empty: the start of a new document)")
@@ -119,7 +119,7 @@ class Source:
         full = checkpoint.consolidate(self.reader)
         with torch.no_grad():
             for name, p in model.named_parameters():
-                key = gpt.canonical_name(name)  # a last stage's lm_head is the tied embedding
+                key = gpt.canonical_name(name, model.config.tied)  # a last stage's lm_head is the tied embedding
                 if key not in full:
                     raise checkpoint.CorruptCheckpoint(f"{self.path}: tensor {key} is not in the checkpoint")
                 p.copy_(checkpoint.local_part(full[key], p))
@@ -174,7 +174,7 @@ def hf_source(path: Path) -> Source:
         raise checkpoint.CheckpointError(f"{path}: a vocabulary of {arch['vocab_size']} tokens is not GPT-2's "
                                          f"({tokenizer.GPT2Tokenizer.vocab_size}), and config.json does not name "
                                          "the tokenizer")
-    return Source(path, arch, tok, f"{path} (Hugging Face GPT-2)")
+    return Source(path, arch, tok, f"{path} (Hugging Face {'Llama' if arch.get('arch') == 'llama' else 'GPT-2'})")
 
 
 def hugging_face():

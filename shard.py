@@ -15,6 +15,8 @@ layouts. `check_layout` refuses what cannot be split, before anything is built. 
 through, and its collectives, are parallel.py's.
 """
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -154,9 +156,10 @@ class SplitSeq(torch.nn.Module):
         return split_to_sp(x, self.grid) if self.grid.sp_on else x
 
 
-def shard_spec(grid: Grid, dim: int, groups: int = 1) -> dict:
+def shard_spec(grid: Grid, dim: int, groups: int | list[int] = 1) -> dict:
     """Which slice of the full tensor this rank holds: split `dim` into `groups` blocks (q, k, v
-    for the fused projection) and keep part `index` of `count` from each."""
+    for the fused projection; a list gives their sizes, unequal under GQA) and keep part `index` of
+    `count` from each."""
     return {"dim": dim, "index": grid.tp_rank, "count": grid.tp, "groups": groups}
 
 
@@ -170,9 +173,10 @@ def meta_param(*shape, spec: dict | None = None, **attrs) -> torch.nn.Parameter:
 class ColumnParallelLinear(torch.nn.Module):
     """y = x A^T + b with A split by output features: each rank computes its own columns of y.
     `groups` > 1 splits each of that many blocks of outputs (q, k and v) separately, so every
-    rank gets whole heads of each."""
+    rank gets whole heads of each (a list: the blocks' sizes, for GQA's H D, H_kv D, H_kv D)."""
 
-    def __init__(self, in_features: int, out_features: int, grid: Grid, bias: bool = True, groups: int = 1):
+    def __init__(self, in_features: int, out_features: int, grid: Grid, bias: bool = True,
+                 groups: int | list[int] = 1):
         super().__init__()
         self.grid = grid
         spec = shard_spec(grid, 0, groups)
@@ -188,16 +192,16 @@ class RowParallelLinear(torch.nn.Module):
     """y = x A^T + b with A split by input features: each rank holds a slice of x's features and
     produces a partial sum of y; g sums them. The bias is replicated and added once, after."""
 
-    def __init__(self, in_features: int, out_features: int, grid: Grid):
+    def __init__(self, in_features: int, out_features: int, grid: Grid, bias: bool = True):
         super().__init__()
         self.grid = grid
         self.weight = meta_param(out_features, in_features // grid.tp, spec=shard_spec(grid, 1))
-        self.bias = meta_param(out_features, sequence_parallel=grid.sp)
+        self.bias = meta_param(out_features, sequence_parallel=grid.sp) if bias else None
 
     def forward(self, x):
         y = torch.nn.functional.linear(x, self.weight)  # (B, T, out), a partial sum
         y = scatter_to_sp(y, self.grid) if self.grid.sp_on else reduce_from_tp(y, self.grid)
-        return y + self.bias
+        return y if self.bias is None else y + self.bias
 
 
 class VocabParallelEmbedding(torch.nn.Module):
@@ -262,15 +266,19 @@ class GatherVocab(torch.nn.Module):
 def apply_tensor_parallel(model: gpt.GPT, grid: Grid) -> None:
     """Swap a meta-built GPT's layers for their tensor-parallel versions, in place."""
     cfg = model.config
-    C, V = cfg.n_embd, cfg.padded_vocab
+    C, V, F, bias = cfg.n_embd, cfg.padded_vocab, cfg.hidden, not cfg.llama
+    # whole heads of q, k and v (GPT-2: three equal blocks; GQA: H query heads, H_kv key and value heads)
+    qkv = [cfg.n_head * cfg.head_dim] + 2 * [cfg.kv_heads * cfg.head_dim] if cfg.llama else 3
     for block in model.transformer.h:
-        block.attn.c_attn = ColumnParallelLinear(C, 3 * C, grid, groups=3)  # whole heads of q, k, v
-        block.attn.c_proj = RowParallelLinear(C, C, grid)
-        block.mlp.c_fc = ColumnParallelLinear(C, 4 * C, grid)
-        block.mlp.c_proj = RowParallelLinear(4 * C, C, grid)
+        block.attn.c_attn = ColumnParallelLinear(C, (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim, grid, bias, qkv)
+        block.attn.c_proj = RowParallelLinear(C, C, grid, bias)
+        # SwiGLU's W and V split alike, so a rank's gate and up columns meet (model.MLP)
+        block.mlp.c_fc = ColumnParallelLinear(C, (2 if cfg.llama else 1) * F, grid, bias, 2 if cfg.llama else 1)
+        block.mlp.c_proj = RowParallelLinear(F, C, grid, bias)
     model.transformer.wte = VocabParallelEmbedding(V, C, grid)
     model.lm_head = ColumnParallelLinear(C, V, grid, bias=False)
-    model.lm_head.weight = model.transformer.wte.weight  # still tied: both hold vocab rows of rank r
+    if cfg.tied:
+        model.lm_head.weight = model.transformer.wte.weight  # still tied: both hold vocab rows of rank r
     model.transformer.drop = torch.nn.Sequential(SplitSeq(grid), model.transformer.drop)
     if grid.sp:  # LayerNorms now see only their slice of the sequence: their gradients are partial sums
         for name, p in model.named_parameters():
@@ -286,6 +294,12 @@ def apply_tensor_parallel(model: gpt.GPT, grid: Grid) -> None:
 def check_layout(cfg: gpt.GPTConfig, grid: Grid, seq_len: int) -> None:
     if cfg.n_head % grid.tp:
         raise LayoutError(f"--tp {grid.tp} does not divide the model's {cfg.n_head} attention heads")
+    if cfg.kv_heads % grid.tp:  # each rank holds whole kv heads; replicating them is not implemented
+        raise LayoutError(f"--tp {grid.tp} does not divide the model's {cfg.kv_heads} kv heads (grouped-query "
+                          f"attention: every tensor-parallel rank needs kv heads of its own); use --tp "
+                          f"{math.gcd(cfg.kv_heads, grid.tp)} or more kv heads (--n-kv-head)")
+    if cfg.hidden % grid.tp:
+        raise LayoutError(f"--tp {grid.tp} does not divide the MLP's hidden width {cfg.hidden}")
     if cfg.padded_vocab % grid.tp:
         raise LayoutError(f"--tp {grid.tp} does not divide the padded vocabulary {cfg.padded_vocab}")
     if cfg.n_layer < grid.pp * grid.vp:
@@ -301,8 +315,9 @@ def check_layout(cfg: gpt.GPTConfig, grid: Grid, seq_len: int) -> None:
     if seq_len % (2 * grid.cp):
         raise LayoutError(f"--cp {grid.cp} cuts each sequence into 2*cp = {2 * grid.cp} chunks: --seq-len "
                           f"{seq_len} must be divisible by {2 * grid.cp}")
-    if grid.cp > 1 and grid.cp_attn == "ulysses" and (cfg.n_head // grid.tp) % grid.cp:
-        raise LayoutError(f"--cp-attn ulysses needs the heads per tensor-parallel rank ({cfg.n_head // grid.tp}) "
+    if grid.cp > 1 and grid.cp_attn == "ulysses" and (cfg.kv_heads // grid.tp) % grid.cp:
+        kind = "heads" if cfg.kv_heads == cfg.n_head else "kv heads (each cp rank attends with whole ones)"
+        raise LayoutError(f"--cp-attn ulysses needs the {kind} per tensor-parallel rank ({cfg.kv_heads // grid.tp}) "
                           f"divisible by --cp {grid.cp}; use --cp-attn ring")
 
 
@@ -329,15 +344,17 @@ def keep_stage(model: gpt.GPT, grid: Grid) -> None:
     h = model.transformer.h
     held = [i for chunk in rank_layers(len(h), grid.pp, grid.vp, grid.pp_rank) for i in chunk]
     model.transformer.h = torch.nn.ModuleDict({str(i): h[i] for i in held})
-    first, last = grid.first_stage, grid.last_stage
-    if first and not last:
+    first, last, tied = grid.first_stage, grid.last_stage, model.config.tied
+    if first and not last and tied:
         model.transformer.wte.weight.tied_embedding = True  # its twin is the last stage's lm_head
     if not first:
-        del model.transformer["wte"], model.transformer["wpe"]
+        del model.transformer["wte"]
+        if "wpe" in model.transformer:  # GPT-2's position table (Llama has none)
+            del model.transformer["wpe"]
     if not last:
         del model.transformer["ln_f"]
         model.lm_head = None
-    elif not first:  # the last stage keeps its own copy of the tied embedding, synced by grad all-reduce
+    elif not first and tied:  # the last stage keeps its own copy of the tied embedding, synced by grad all-reduce
         w = model.lm_head.weight
         model.lm_head.weight = meta_param(*w.shape, spec=w.shard if hasattr(w, "shard") else None,
                                           tied_copy=True)
@@ -370,7 +387,8 @@ def initial_values(model: torch.nn.Module, seed: int):
 
     def value(p: torch.nn.Parameter) -> torch.Tensor:
         name = names[id(p)]
-        return take_shard(gpt.init_value(name, shapes[name], seed, model.config.n_layer), getattr(p, "shard", None))
+        full = gpt.init_value(name, shapes[name], seed, model.config.n_layer, model.config.tied)
+        return take_shard(full, getattr(p, "shard", None))
     return value
 
 
@@ -378,11 +396,17 @@ def take_shard(full: torch.Tensor, spec: dict | None) -> torch.Tensor:
     """The part of a full tensor that `spec` names (see shard_spec)."""
     if spec is None:
         return full
-    blocks = full.chunk(spec["groups"], dim=spec["dim"])
+    blocks = split_groups(full, spec["groups"], spec["dim"])
     return torch.cat([b.chunk(spec["count"], dim=spec["dim"])[spec["index"]] for b in blocks], dim=spec["dim"])
 
 
 def unshard(pieces: list[torch.Tensor], spec: dict) -> torch.Tensor:
     """The full tensor from every rank's take_shard(full, spec), in rank order."""
-    chunks = [piece.chunk(spec["groups"], dim=spec["dim"]) for piece in pieces]  # chunks[rank][group]
-    return torch.cat([chunks[r][g] for g in range(spec["groups"]) for r in range(len(pieces))], dim=spec["dim"])
+    groups = spec["groups"] if isinstance(spec["groups"], int) else [g // spec["count"] for g in spec["groups"]]
+    chunks = [split_groups(piece, groups, spec["dim"]) for piece in pieces]  # chunks[rank][group]
+    return torch.cat([chunks[r][g] for g in range(len(chunks[0])) for r in range(len(pieces))], dim=spec["dim"])
+
+
+def split_groups(x: torch.Tensor, groups: int | list[int], dim: int) -> tuple[torch.Tensor, ...]:
+    """x cut along dim into `groups` equal blocks, or blocks of the sizes a list gives."""
+    return x.chunk(groups, dim=dim) if isinstance(groups, int) else x.split(groups, dim=dim)

@@ -170,9 +170,11 @@ def shard_of(b: Bucket, s: slice, value) -> torch.Tensor:
 
 def units(model: torch.nn.Module) -> list[list[torch.nn.Parameter]]:
     """ZeRO-3's units, in forward order: the embeddings and the final LayerNorm (the tied wte is the
-    output layer too), then one per block."""
+    output layer too; an untied output layer, Llama's, joins them), then one per block."""
     t = model.transformer
-    root = [*t.wte.parameters(), *t.wpe.parameters(), *t.ln_f.parameters()]
+    root = [*t.wte.parameters(), *(t.wpe.parameters() if "wpe" in t else []), *t.ln_f.parameters()]
+    if not model.config.tied:
+        root += list(model.lm_head.parameters())
     return [root] + [list(block.parameters()) for block in t.h]
 
 

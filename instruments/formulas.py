@@ -62,11 +62,12 @@ def expected_traffic(cfg: gpt.GPTConfig, grid: Grid, micro_batch: int, n_micro: 
         act = btc // grid.tp if sp else btc
         # every chunk sends its output on and its input's gradient back, except at the two ends
         e[("send", "pp")] += n_micro * act * (2 * grid.vp - last - first)
-        if first or last:
+        if (first or last) and cfg.tied:  # an untied output layer (Llama's) has no twin to sum with
             e[("all_reduce", "embed")] += 4 * (gradients.tied_grad(model, grid, sync).numel() if sync and sync.zero
                                                else cfg.padded_vocab // grid.tp * cfg.n_embd)
     if grid.cp > 1:
-        for k, v in context_traffic(grid, layers * btc // grid.tp, cfg.recompute).items():
+        kv = layers * micro_batch * seq_len * cfg.kv_heads * cfg.head_dim * 4 // grid.tp  # K (or V) under GQA
+        for k, v in context_traffic(grid, layers * btc // grid.tp, cfg.recompute, kv).items():
             e[k] += n_micro * v
     if sync is not None and grid.dp_cp > 1:
         e.update(zero_traffic(sync, n_micro, next(model.parameters()).element_size()))
@@ -79,18 +80,19 @@ def expected_traffic(cfg: gpt.GPTConfig, grid: Grid, micro_batch: int, n_micro: 
     return {(op, grid.label(group)): v for (op, group), v in e.items()}
 
 
-def context_traffic(grid: Grid, act: int, recompute: str) -> dict:
+def context_traffic(grid: Grid, act: int, recompute: str, kv: int | None = None) -> dict:
     """Bytes one micro-batch's context-parallel attention sends from this rank, `act` being the bytes of
-    one (b, s/cp, h/tp) activation summed over this stage's layers (context.py's docstring):
-        ring     forward: cp-1 hops of K and V (2 act each); backward: cp-1 hops of K and V, and cp hops
+    one (b, s/cp, h/tp) activation summed over this stage's layers (context.py's docstring), and `kv` those
+    of K (or V): act again, or act H_kv / H under grouped-query attention:
+        ring     forward: cp-1 hops of K and V (2 kv); backward: cp-1 hops of K and V, and cp hops
                  of dK and dV (fp32, the last one home)
-        ulysses  forward: an all-to-all of q, k, v (3 act) and one of the output (act); backward the same
+        ulysses  forward: an all-to-all of q, k, v (act + 2 kv) and one of the output (act); backward the same
     Recomputation (either kind) runs the attention core's forward once more in the backward."""
-    again = recompute != "none"
+    again, kv = recompute != "none", act if kv is None else kv
     if grid.cp_attn == "ulysses":
-        return {("all_to_all", "cp"): (2 + again) * 4 * act}
+        return {("all_to_all", "cp"): (2 + again) * (2 * act + 2 * kv)}
     hops = grid.cp - 1
-    return {("send", "cp"): (1 + again) * hops * 2 * act + (hops + grid.cp) * 2 * act}
+    return {("send", "cp"): (1 + again) * hops * 2 * kv + (hops + grid.cp) * 2 * kv}
 
 
 def zero_traffic(sync: GradSync, n_micro: int, weight_bytes: int) -> dict:
@@ -111,6 +113,14 @@ def zero_traffic(sync: GradSync, n_micro: int, weight_bytes: int) -> dict:
 
 
 # ----------------------------------------------------------------------------- memory
+
+
+def kv_cache_bytes(cfg: gpt.GPTConfig, batch: int, tokens: int, element_bytes: int = 2) -> int:
+    """What sampling keeps (model.KVCache): every layer's k and v of every token, 2 L b T H_kv D elements.
+    Grouped-query attention divides it by H / H_kv (Llama-3-8B: by 4), which at long contexts and large
+    batches is most of a server's memory, and the bytes every new token must read."""
+    return 2 * cfg.n_layer * batch * tokens * cfg.kv_heads * cfg.head_dim * element_bytes
+
 
 
 def state_formula(model: torch.nn.Module, opt, sync: GradSync | None, grid: Grid) -> dict[str, tuple[float, str]]:

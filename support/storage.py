@@ -242,7 +242,9 @@ def check_schema(m: dict) -> None:
         _need(e.get("dtype") in {"float32", "float16", "bfloat16"}, f"{where}: dtype {e.get('dtype')!r}")
         _need(_is_shape(e.get("local_shape")) and _is_shape(e.get("full_shape")), f"{where}: shapes")
         s = e.get("shard")
-        _need(s is None or (isinstance(s, dict) and all(_is_int(s.get(k)) for k in ("dim", "index", "count", "groups"))
+        groups = s.get("groups") if isinstance(s, dict) else None  # a count of equal blocks, or their sizes (GQA)
+        _need(s is None or (isinstance(s, dict) and all(_is_int(s.get(k)) for k in ("dim", "index", "count"))
+                            and (_is_int(groups) or (isinstance(groups, list) and groups and all(map(_is_int, groups))))
                             and s["index"] < s["count"] and s["dim"] < len(e["local_shape"])), f"{where}: shard")
         f = e.get("flat")
         _need(f is None or (isinstance(f, list) and len(f) == 2 and all(_is_int(x) for x in f) and f[0] < f[1]),

@@ -3,6 +3,8 @@
     python tests/bench.py                   # CPU: `mini`, fp32, 8 x 128 tokens a step
     python tests/bench.py --preset small    # CPU: a bigger model
     python tests/bench.py --device cuda     # GPU: GPT-2 124M, bf16, compiled, 32 x 1024 tokens, micro-batch 16
+    python tests/bench.py --versus llama-mini   # and a third configuration: another preset (here the Llama
+                                                # family at GPT-2 mini's size), its tokens/s over ours
 
 Two configurations are timed in alternating rounds, so both see the same machine at the same time:
 
@@ -53,8 +55,8 @@ class UnfusedCrossEntropy(torch.nn.Module):
 class Bench:
     """One configuration: its model, optimizer and a fixed batch of random tokens."""
 
-    def __init__(self, args, device: torch.device, fused: bool):
-        cfg = gpt.config_from_preset(args.preset, 50257, attn=args.attn)
+    def __init__(self, args, device: torch.device, fused: bool, preset: str | None = None):
+        cfg = gpt.config_from_preset(preset or args.preset, 50257, attn=args.attn)
         self.cfg, self.device, self.precision = cfg, device, stability.PRECISIONS[args.precision]
         self.model = gpt.build(cfg, seed=0, device=device)
         if not fused:
@@ -139,6 +141,7 @@ def main() -> None:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, help="default: on for cuda, off for cpu")
     p.add_argument("--steps", type=int, default=4, help="optimizer steps per timed round")
     p.add_argument("--rounds", type=int, default=5, help="alternating rounds per configuration (median reported)")
+    p.add_argument("--versus", help="another preset, timed in the same rounds (e.g. llama-mini against mini)")
     args = p.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda: this machine has no CUDA GPU (run without --device for the CPU benchmark)")
@@ -149,6 +152,8 @@ def main() -> None:
     head_dim = gpt.config_from_preset(args.preset, 50257).head_dim  # 'auto' resolved as train.py does it
     args.attn = config.resolve_attention(config.TrainConfig(attn=args.attn, precision=args.precision), device, head_dim)
     benches = {"ours": Bench(args, device, fused=True), "unfused loss": Bench(args, device, fused=False)}
+    if args.versus:
+        benches[args.versus] = Bench(args, device, fused=True, preset=args.versus)
     peaks = [planner.peak_flops(device, args.precision)]  # on a CPU measured between the rounds too: the best
     rates = {name: [] for name in benches}
     for b in benches.values():
@@ -162,7 +167,6 @@ def main() -> None:
 
 
 def report(args, device, benches, rates, peak) -> str:
-    flops_per_token = gpt.flops_per_token(next(iter(benches.values())).cfg, args.seq_len)
     share = "MFU" if device.type == "cuda" else "% of matmul"
     lines = [f"{args.preset} on {device.type}: {args.precision}, {args.batch_size} x {args.seq_len} tokens a step "
              f"(micro-batch {args.micro_batch_size}), attention {args.attn}, compile {'on' if args.compile else 'off'}",
@@ -177,10 +181,15 @@ def report(args, device, benches, rates, peak) -> str:
             b.step(timed_phases=True)
         ms = {k: v / args.steps * 1e3 for k, v in b.phases.items()}
         summary[name] = tps, mem
+        flops_per_token = gpt.flops_per_token(b.cfg, args.seq_len)
         lines.append(f"{name:<15}{tps:>10,.0f}{tps * flops_per_token / 1e12:>9.3f}{tps * flops_per_token / peak:>12.1%}"
                      f"{mem / 2**20:>9,.0f}{ms['forward']:>8.1f}{ms['backward']:>8.1f}{ms['optimizer']:>8.1f}")
     (ours, ours_mem), (base, base_mem) = summary["ours"], summary["unfused loss"]
     lines.append(f"ours / unfused loss: {ours / base:.2f}x tokens/s, {ours_mem / base_mem:.2f}x peak memory of a step")
+    if args.versus:
+        params = gpt.n_params(benches[args.versus].cfg) / gpt.n_params(benches["ours"].cfg)
+        lines.append(f"{args.versus} / {args.preset}: {summary[args.versus][0] / ours:.2f}x tokens/s at {params:.3f}x "
+                     "the parameters")
     loss = loss_layer_memory(args, device)
     lines.append(f"loss layer alone, forward + backward of one micro-batch: fused {loss['fused'] / 2**20:,.0f} MB, "
                  f"unfused {loss['unfused'] / 2**20:,.0f} MB ({loss['unfused'] / loss['fused']:.1f}x less)")

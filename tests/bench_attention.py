@@ -2,6 +2,7 @@
 
     python tests/bench_attention.py                 # bf16, the default grid
     python tests/bench_attention.py --dtype fp16 --quick
+    python tests/bench_attention.py --n-kv-head 4   # grouped-query attention: 16 query heads, 4 kv heads
 
 Prints, for each (B, H, T, D), causal:
   * forward and forward+backward TFLOP/s of ours and of SDPA, and ours / SDPA;
@@ -11,6 +12,8 @@ Prints, for each (B, H, T, D), causal:
 
 FLOPs are counted as the FlashAttention papers do: 4 B H T^2 D for a full forward (two matmuls),
 halved for causal, and 2.5x that for the backward (five matmuls: S is recomputed, then dV, dP, dQ, dK).
+Under GQA (--n-kv-head) the FLOPs are the same (every query head still attends); K and V are smaller,
+SDPA is called with enable_gqa, and the math version (in the memory table) repeats K and V per query head.
 """
 
 import argparse
@@ -24,15 +27,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import kernels  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-BHT = ((16, 16, 1024), (8, 16, 2048), (4, 16, 4096), (2, 16, 8192))  # 16M tokens*heads each
+HEADS = 16  # query heads in every shape
+BHT = ((16, HEADS, 1024), (8, HEADS, 2048), (4, HEADS, 4096), (2, HEADS, 8192))  # 16M tokens*heads each
 GRID = [(B, H, T, D) for D in (64, 128) for B, H, T in BHT]
-QUICK = [(4, 16, 2048, 64), (4, 16, 2048, 128)]
+QUICK = [(4, HEADS, 2048, 64), (4, HEADS, 2048, 128)]
 
 
-def make_inputs(B, H, T, D, dtype):
-    """q, k, v as the model makes them: strided views into one fused projection."""
-    qkv = torch.randn(B, T, 3, H, D, device="cuda", dtype=dtype, requires_grad=True)
-    return qkv, qkv.permute(2, 0, 3, 1, 4)
+def make_inputs(B, H, T, D, dtype, H_kv):
+    """q (B, H, T, D), k and v (B, H_kv, T, D) as the model makes them: strided views into one fused
+    projection (B, T, H + 2 H_kv, D)."""
+    qkv = torch.randn(B, T, H + 2 * H_kv, D, device="cuda", dtype=dtype, requires_grad=True)
+    return qkv, kernels.unpack_qkv(qkv, H_kv)
 
 
 def forward_and_backward(backend, qkv, q, k, v, do):
@@ -59,13 +64,14 @@ def peak_extra_mib(fn) -> float:
     return (torch.cuda.max_memory_allocated() - before) / 2**20
 
 
-def speed_table(shapes, dtype):
-    print(f"causal attention, {dtype}, TFLOP/s (higher is better); memory = peak of forward+backward")
+def speed_table(shapes, dtype, n_kv_head):
+    heads = f"{n_kv_head} kv heads" if n_kv_head else "multi-head"
+    print(f"causal attention ({heads}), {dtype}, TFLOP/s (higher is better); memory = peak of forward+backward")
     head = (f"{'B':>3} {'H':>3} {'T':>6} {'D':>4} | {'fwd ours':>9} {'sdpa':>7} {'ratio':>6} | "
             f"{'f+b ours':>9} {'sdpa':>7} {'ratio':>6} | {'MiB ours':>9} {'sdpa':>7} | max|o-sdpa|")
     print(head + "\n" + "-" * len(head))
     for B, H, T, D in shapes:
-        qkv, (q, k, v) = make_inputs(B, H, T, D, dtype)
+        qkv, (q, k, v) = make_inputs(B, H, T, D, dtype, n_kv_head or H)
         do = torch.randn(B, H, T, D, device="cuda", dtype=dtype)
         fwd_flops = 4 * B * H * T * T * D / 2
         row = []
@@ -82,13 +88,13 @@ def speed_table(shapes, dtype):
               f"{err.item():.1e}")
 
 
-def memory_table(dtype, D=64, BH=16, Ts=(1024, 2048, 4096, 8192, 16384)):
-    print(f"\npeak extra memory of forward+backward vs T (B*H = {BH}, D = {D}): x2 per doubling is linear, "
-          "x4 quadratic")
+def memory_table(dtype, n_kv_head, D=64, BH=HEADS, Ts=(1024, 2048, 4096, 8192, 16384)):
+    print(f"\npeak extra memory of forward+backward vs T (B*H = {BH}, {n_kv_head or BH} kv heads, D = {D}): "
+          "x2 per doubling is linear, x4 quadratic")
     print(f"{'T':>6} | {'ours MiB':>9} {'growth':>7} | {'math MiB':>9} {'growth':>7}")
     last = {}
     for T in Ts:
-        qkv, (q, k, v) = make_inputs(1, BH, T, D, dtype)
+        qkv, (q, k, v) = make_inputs(1, BH, T, D, dtype, n_kv_head or BH)
         do = torch.randn(1, BH, T, D, device="cuda", dtype=dtype)
         cells = []
         for backend in ("triton", "math"):
@@ -110,14 +116,18 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", choices=DTYPES, default="bf16")
     parser.add_argument("--quick", action="store_true", help="two shapes instead of the full grid")
+    parser.add_argument("--n-kv-head", type=int, help="kv heads (grouped-query attention); must divide the "
+                        f"{HEADS} query heads (default: {HEADS}, multi-head)")
     args = parser.parse_args()
+    if args.n_kv_head is not None and (args.n_kv_head < 1 or HEADS % args.n_kv_head):
+        parser.error(f"--n-kv-head {args.n_kv_head} does not divide the {HEADS} query heads")
     if not torch.cuda.is_available():
         print("bench_attention.py needs a CUDA GPU (none found); on a CPU, run the interpreter tests "
               "instead: python -m pytest tests/test_kernels.py")
         return 1
     print(f"device: {torch.cuda.get_device_name()}")
-    speed_table(QUICK if args.quick else GRID, DTYPES[args.dtype])
-    memory_table(DTYPES[args.dtype])
+    speed_table(QUICK if args.quick else GRID, DTYPES[args.dtype], args.n_kv_head)
+    memory_table(DTYPES[args.dtype], args.n_kv_head)
     return 0
 
 

@@ -163,11 +163,12 @@ def test_ring_attention_blocks_on_the_kernel_match_float64():
     print("".join(outs))
 
 
-def check_compiled_model(device: str, dtype: str = "bfloat16", tol: float = 3e-2) -> None:
+def check_compiled_model(device: str, dtype: str = "bfloat16", tol: float = 3e-2, llama: bool = False) -> None:
     """A small GPT-2 with attn="triton" (head dim 64), compiled as train.py does (every block, the fused
     loss) with fullgraph=True (a graph break is an error), one forward and backward under autocast: the
     same loss and gradients as eager, within `tol` (relative norm); and the attention function alone
-    compiles as one graph too."""
+    compiles as one graph too. llama: the Llama family's block instead (RoPE, SwiGLU, RMSNorm, and 4 query
+    heads over 2 kv heads through the kernel's grouped-query path)."""
     from functools import partial
 
     import parallel
@@ -176,6 +177,9 @@ def check_compiled_model(device: str, dtype: str = "bfloat16", tol: float = 3e-2
 
     kernels = compiled_kernels(device)
     cfg = GPTConfig(n_layer=2, n_head=2, n_embd=128, block_size=128, vocab_size=257, attn="triton")
+    if llama:
+        cfg = GPTConfig(arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=256, block_size=128, vocab_size=257,
+                        attn="triton")
     idx = torch.randint(0, 257, (2, 101), device=device, generator=torch.Generator(device).manual_seed(0))
     x, y = idx[:, :-1], idx[:, 1:]  # T = 100: a ragged last block
     autocast = torch.autocast(torch.device(device).type, getattr(torch, dtype), enabled=dtype != "float32")
@@ -203,13 +207,18 @@ def test_compiled_model_with_triton_attention_matches_eager():
     run_python("import test_gpu; test_gpu.check_compiled_model('cuda')")
 
 
+def test_compiled_llama_with_grouped_query_triton_attention_matches_eager():
+    run_python("import test_gpu; test_gpu.check_compiled_model('cuda', llama=True)")
+
+
 def check_backend_choice(device: str) -> None:
     """What train.py asks before training: on an A100 or newer, `auto` is our kernel in bf16 and fp16,
     SDPA in fp32, and --attn triton in fp32 is refused with a one-line answer. And `auto` left to compiled
     code traces too (the device query is a constant to torch.compile)."""
     kernels = compiled_kernels(device)
     device = torch.device(device)
-    name, major, minor = kernels._gpu(device)
+    props = torch.cuda.get_device_properties(device)
+    name, major, minor = props.name, props.major, props.minor
     print(f"{name} (sm_{major}{minor})")
     if (major, minor) < (8, 0):
         assert "older than the kernel's sm_80 minimum" in kernels.triton_problem(device, torch.bfloat16, 64)

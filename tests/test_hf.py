@@ -1,5 +1,6 @@
 """Hugging Face GPT-2 interop: import their weights, export ours; transformers is the oracle."""
 
+import json
 import subprocess
 import sys
 
@@ -10,6 +11,7 @@ from conftest import ROOT, final_weights, run_train
 
 import model as gpt
 from instruments import hf
+from support.storage import CheckpointError
 
 
 def hf_model(vocab=257):
@@ -73,3 +75,72 @@ def test_the_shape_of_a_hugging_face_model_is_its_own(flag, corpus, tmp_path):
     result = run_train(corpus, tmp_path / "run", "--init-from", str(tmp_path / "hf"), *flag, check=False)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert f"{flag[0]} cannot change" in result.stderr and "(--init-from" in result.stderr
+
+
+# ----------------------------------------------------------------------------- Llama
+
+
+def hf_llama(tie: bool = False):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=257, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   rms_norm_eps=1e-5, rope_theta=5000.0, tie_word_embeddings=tie,
+                                   bos_token_id=256, eos_token_id=256)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_llama_import_gives_the_same_logits_and_greedy_text_as_transformers(tie, tmp_path):
+    theirs = hf_llama(tie)
+    theirs.save_pretrained(tmp_path)
+    arch = hf.hf_config(tmp_path)
+    assert (arch["arch"], arch["n_kv_head"], arch["ffn_hidden"], arch["tie_embeddings"]) == ("llama", 2, 96, tie)
+    ours = gpt.build(gpt.GPTConfig(**arch), seed=0).eval()
+    hf.load_hf(ours, tmp_path)
+    idx = torch.randint(0, 257, (2, 40))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(idx)[0][..., :257], theirs(idx).logits, rtol=1e-5, atol=1e-5)
+        prompt = idx[:, :8]
+        expected = theirs.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12,
+                                   do_sample=False, min_new_tokens=12)
+    assert torch.equal(ours.generate(prompt, 12, temperature=0), expected)
+
+
+def test_a_llama_that_model_py_does_not_compute_is_refused(tmp_path):
+    hf_llama().save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}))
+    with pytest.raises(CheckpointError, match="this Llama uses rope_scaling, which model.py does not compute"):
+        hf.hf_config(tmp_path)
+
+
+def test_llama_export_loads_in_transformers_and_imports_back(corpus, tmp_path):
+    run_train(corpus, tmp_path / "run", "--preset", "llama-tiny", "--rope-theta", "700", "--max-steps", "2")
+    out = subprocess.run([sys.executable, "-m", "instruments.hf", "export", str(tmp_path / "run" / "ckpt"),
+                          str(tmp_path / "hf")], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert "wrote a Hugging Face Llama model" in out
+    theirs = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ours = gpt.build(gpt.config_from_preset("llama-tiny", 257, rope_theta=700.0), seed=0).eval()
+    ours.load_state_dict(final_weights(tmp_path / "run"))
+    idx = torch.randint(0, 257, (2, 32))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(idx).logits, ours(idx)[0][..., :257], rtol=1e-5, atol=1e-5)
+    sampled = subprocess.run([sys.executable, "sample.py", "--hf", str(tmp_path / "hf"), "--tokens", "8",
+                              "--temperature", "0", "--device", "cpu"], cwd=ROOT, capture_output=True, text=True)
+    assert sampled.returncode == 0 and "Hugging Face Llama" in sampled.stderr + sampled.stdout, sampled.stderr[-2000:]
+    back = gpt.build(gpt.GPTConfig(**hf.hf_config(tmp_path / "hf")), seed=1)
+    hf.load_hf(back, tmp_path / "hf")
+    for name, w in ours.state_dict().items():
+        rows = slice(0, 257) if name in hf.VOCAB_ROWS else slice(None)
+        assert torch.equal(back.state_dict()[name][rows], w[rows]), name
+
+
+def test_init_from_a_llama_directory_at_tp2_starts_from_its_weights(corpus, tmp_path):
+    """--init-from a LlamaForCausalLM directory on two tensor-parallel ranks (q, k, v and gate, up cut per rank),
+    one step at lr 1e-30: every weight comes back as Hugging Face's."""
+    hf_llama().save_pretrained(tmp_path / "hf")
+    run_train(corpus, tmp_path / "run", "--init-from", str(tmp_path / "hf"), "--max-steps", "1", "--lr", "1e-30",
+              "--min-lr", "0", "--tp", "2", nproc=2)
+    theirs = hf.read_hf_weights(tmp_path / "hf")
+    for name, w in final_weights(tmp_path / "run").items():
+        assert torch.equal(w[: theirs[name].size(0)], theirs[name]), name

@@ -7,7 +7,8 @@ tells the truth, and a fork that can delete the instruments.
         ▼
     the reference  model.py ... train.py: what a student reads to learn how a step is trained
         ▼
-    support/       sources, scan, dedup, tokenizer, storage, writer, rundir, cli, devices, interrupt, observer
+    support/       sources, scan, dedup, tokenizer, storage, writer, rundir, cli, devices, interrupt, observer,
+                   launches
 
 An import may point down or across a tier, never up, and no chain of imports comes back to where it
 started (`house` checks every import of every file, those inside functions too).

@@ -8,6 +8,10 @@ real GPUs, tests/test_gpu.py runs them on one. Sizes stay tiny (T <= 128): the i
 Also here: the custom ops pass torch.library.opcheck (their fake implementations agree with the real
 ones), torch.compile of a block that calls the kernel matches eager, and `triton_problem` says in one
 line why the kernel cannot run where it cannot.
+
+Grouped-query attention (the last section): 8 query heads over 1, 2, 4 and 8 kv heads, against K and V
+repeated in float64; the packed (B, T, H + 2 H_kv, D) op against the unpacked one; and the bytes the
+kernel path allocates, measured, with no room for a repeated K or V.
 """
 
 import math
@@ -19,6 +23,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import ROOT
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import kernels
 from kernels import attention, attention_math, flash_backward, flash_forward
@@ -217,6 +222,18 @@ def test_triton_problem_without_triton(monkeypatch):
 # ----------------------------------------------------------------------------- the custom op and torch.compile
 
 
+class Ops(TorchDispatchMode):
+    """Records the name of every op that reaches the dispatcher (a custom op counts as one)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
 def test_custom_ops_pass_opcheck():
     """torch.library.opcheck runs each op for real and on fake tensors (same shapes, dtypes and strides?),
     through autograd (registered?), and traced by AOTAutograd with dynamic shapes, forward and backward.
@@ -233,17 +250,6 @@ def test_packed_qkv_ops_write_the_gradient_in_place_and_match_the_unpacked_ones(
     """attention_packed(qkv) (the model's call) equals attention(q, k, v) of the three views, output and
     gradient, and its backward stacks and concatenates nothing: dq, dk, dv land in one (B, T, 3, H, D)
     tensor, the projection's own layout. Its two ops pass opcheck too."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(func.__name__)
-            return func(*args, **(kwargs or {}))
-
     qkv, (q, k, v) = qkv_view(2, 40, 2, 16, torch.float32)
     do = torch.randn(2, 2, 40, 16)
     attention(q, k, v, "triton").backward(do)
@@ -329,3 +335,183 @@ def test_the_tuner_times_candidates_and_picks_the_fastest():
                                            torch.device("cpu"), reps=1)
         assert set(scores) == set(cands) and all(s > 0 for s in scores.values())
         assert best == min(scores, key=scores.get)
+
+
+# ----------------------------------------------------------------------------- grouped-query attention
+#
+# q has H = 8 heads, k and v H_kv of them: 1 (multi-query), 2 and 4 (grouped), 8 (multi-head). The reference
+# repeats each kv head for its group of query heads in float64 (what the kernel must never do), and
+# autograd sums the group's gradients back into it.
+
+GQA_HEADS = (1, 2, 4, 8)
+
+
+def gqa_inputs(B, T, H, H_kv, D, dtype, seed=0):
+    """The packed projection (B, T, H + 2 H_kv, D), its q, k, v views, and a dO."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(B, T, H + 2 * H_kv, D, generator=gen).to(dtype).requires_grad_()
+    do = torch.randn(B, H, T, D, generator=gen).to(dtype)
+    return qkv, kernels.unpack_qkv(qkv, H_kv), do
+
+
+def reference_repeated(q, k, v, do, causal=True):
+    """Output and gradients in float64, K and V repeated per query head (plain multi-head attention)."""
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    group = q.size(1) // k.size(1)
+    k_rep, v_rep = k64.repeat_interleave(group, dim=1), v64.repeat_interleave(group, dim=1)  # (B, H, T, D)
+    scores = q64 @ k_rep.transpose(-2, -1) / math.sqrt(q.size(-1))  # (B, H, TQ, TK)
+    if causal:
+        scores = scores.masked_fill(torch.ones(scores.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    o = torch.softmax(scores, -1) @ v_rep  # float64 throughout (attention_math's softmax is fp32)
+    o.backward(do.double())
+    return o.detach(), q64.grad, k64.grad, v64.grad
+
+
+GQA_CASES = [(H_kv, T, 16, dtype) for H_kv in GQA_HEADS for T, dtype in ((37, torch.float32), (45, torch.float16))]
+GQA_CASES += [(H_kv, 99, 32, torch.float32) for H_kv in (1, 2)]  # several blocks each way, another head dim
+
+
+@pytest.mark.parametrize("H_kv,T,D,dtype", GQA_CASES,
+                         ids=[f"Hkv{h}-T{T}-D{D}-{str(dt)[6:]}" for h, T, D, dt in GQA_CASES])
+def test_gqa_forward_and_gradients_match_repeated_kv_in_float64(H_kv, T, D, dtype):
+    """The kernel with 8 query heads and H_kv kv heads, causal, T odd (the last blocks stick out): o and
+    dq per query head, dk and dv per kv head (its group's sum), against the repeated-K/V reference."""
+    _, (q, k, v), do = gqa_inputs(2, T, 8, H_kv, D, dtype, seed=T + H_kv)
+    assert k.shape == (2, H_kv, T, D)
+    assert_close(run_triton(q, k, v, do), reference_repeated(q, k, v, do), dtype)
+
+
+@pytest.mark.parametrize("H_kv", (1, 2))
+def test_gqa_unmasked_mode_with_another_key_count_matches_float64(H_kv):
+    """Ring attention's off-diagonal blocks under GQA: causal=False, TQ != TK, both kernels' group indexing."""
+    gen = torch.Generator().manual_seed(H_kv)
+    B, H, TQ, TK, D = 2, 4, 40, 24, 16
+    q, do = torch.randn(B, H, TQ, D, generator=gen), torch.randn(B, H, TQ, D, generator=gen)
+    k, v = torch.randn(B, H_kv, TK, D, generator=gen), torch.randn(B, H_kv, TK, D, generator=gen)
+    cfg = kernels.INTERPRETER_LAUNCH
+    o, lse = flash_forward(q, k, v, cfg, causal=False)
+    grads = flash_backward(q, k, v, o, lse, do, cfg, causal=False)
+    assert_close((o, *grads), reference_repeated(q, k, v, do, causal=False), torch.float32)
+
+
+def test_gqa_with_the_shipped_launch_config_in_the_interpreter():
+    """The GPU block sizes (a dK/dV program of 64 keys walking its group's two query heads), several blocks."""
+    cfg = kernels.SHIPPED[16, torch.float16]
+    T = 2 * max(cfg.block_m, cfg.big) - 9
+    _, (q, k, v), do = gqa_inputs(1, T, 2, 1, 16, torch.float16, seed=6)
+    o, lse = flash_forward(q, k, v, cfg)
+    grads = flash_backward(q, k, v, o, lse, do, cfg)
+    assert_close((o, *grads), reference_repeated(q, k, v, do), torch.float16)
+
+
+def test_gqa_backward_is_deterministic():
+    """dK, dV sum a group's query heads in one program, in one order: the same bits every time."""
+    _, (q, k, v), do = gqa_inputs(1, 50, 8, 2, 16, torch.float32)
+    first, second = run_triton(q, k, v, do), run_triton(q, k, v, do)
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+
+
+@pytest.mark.parametrize("H_kv", (1, 2, 8))
+def test_sdpa_and_math_backends_take_gqa(H_kv):
+    """The fallbacks in float64, through the packed layout: SDPA with enable_gqa equals the repeated-K/V
+    reference to float64 rounding, the math backend (repeat_interleave) to its fp32 softmax's."""
+    qkv, (q, k, v), do = gqa_inputs(2, 21, 8, H_kv, 16, torch.float64)
+    o_ref, dq, dk, dv = reference_repeated(q, k, v, do)
+    dqkv_ref = torch.cat([dq, dk, dv], dim=1).transpose(1, 2)  # (B, T, H + 2 H_kv, D), the packing
+    for backend, tol in (("sdpa", 1e-12), ("math", 1e-6)):
+        o = kernels.attention_packed(qkv, backend, n_kv_head=H_kv)
+        (dqkv,) = torch.autograd.grad(o, qkv, do)
+        torch.testing.assert_close(o, o_ref, rtol=tol, atol=tol)
+        torch.testing.assert_close(dqkv, dqkv_ref, rtol=tol, atol=tol)
+    # decoding with a KV cache (Tq != Tk) under GQA: SDPA's bottom-right alignment with fewer kv heads
+    last = kernels.attention(q[:, :, -3:], k, v, "sdpa")
+    torch.testing.assert_close(last, o_ref[:, :, -3:], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("H_kv", (1, 2, 8))
+def test_gqa_packed_op_writes_the_gradient_in_place_and_matches_the_unpacked_one(H_kv):
+    """attention_packed(qkv, "triton", n_kv_head) on the (B, T, H + 2 H_kv, D) packing: output and qkv
+    gradient bitwise equal to attention(q, k, v) of its views, and the backward one op that stacks and
+    copies nothing. At H_kv = H the packing is GPT-2's (B, T, 3, H, D) memory: the same bits either way."""
+    qkv, (q, k, v), do = gqa_inputs(2, 40, 8, H_kv, 16, torch.float32)
+    o_unpacked = attention(q, k, v, "triton")
+    o_unpacked.backward(do)
+    unpacked = qkv.grad.clone()
+    qkv.grad = None
+    o = kernels.attention_packed(qkv, "triton", n_kv_head=H_kv)
+    with Ops() as ops:
+        o.backward(do)
+    torch.testing.assert_close(o, o_unpacked, rtol=0, atol=0)
+    torch.testing.assert_close(qkv.grad, unpacked, rtol=0, atol=0)
+    # one op computes the whole gradient; around it only detaches and autograd's zero gradient of lse
+    assert ops.names.count("flash_attn_qkv_bwd.default") == 1, ops.names
+    assert set(ops.names) <= {"flash_attn_qkv_bwd.default", "detach.default", "zeros.default"}, ops.names
+    if H_kv == 8:
+        gpt2 = qkv.detach().view(2, 40, 3, 8, 16).requires_grad_()  # the same memory, GPT-2's view
+        o_gpt2 = kernels.attention_packed(gpt2, "triton")
+        o_gpt2.backward(do)
+        assert torch.equal(o_gpt2, o) and torch.equal(gpt2.grad.view_as(qkv), qkv.grad)
+
+
+def test_gqa_ops_agree_with_their_fake_implementations():
+    """torch.library's checks of all four ops with fewer kv heads than query heads: real against fake
+    (shapes, dtypes, strides: dk and dv have H_kv heads), autograd, AOTAutograd with dynamic shapes."""
+    qkv, (q, k, v), do = gqa_inputs(1, 33, 4, 2, 16, torch.float32)
+    torch.library.opcheck(kernels.flash_attn_qkv_fwd, (qkv, 2))
+    o, lse = kernels.flash_attn_qkv_fwd(qkv, 2)
+    torch.library.opcheck(kernels.flash_attn_qkv_bwd, [x.detach() for x in (qkv, o, lse, do)] + [2])
+    torch.library.opcheck(kernels.flash_attn_fwd, (q, k, v))
+    torch.library.opcheck(kernels.flash_attn_bwd, [x.detach() for x in (q, k, v, o, lse, do)])
+
+
+def allocations(fn) -> list[int]:
+    """The size in bytes of every tensor torch allocates while fn runs, from the profiler's memory records
+    (inside custom ops too, where a TorchDispatchMode cannot see)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return sorted(e.self_cpu_memory_usage for e in prof.events() if e.self_cpu_memory_usage > 0)
+
+
+@pytest.mark.parametrize("H_kv", (1, 2, 4))
+def test_gqa_allocates_nothing_for_repeated_keys_and_values(H_kv):
+    """The model's path, attention_packed with our kernel, forward + backward, allocates exactly: o
+    (B, H, T, D), three (B, H, T) fp32 rows (lse, delta, and autograd's zero gradient of lse) and the
+    packed gradient (B, T, H + 2 H_kv, D): no byte for K or V at H heads. The same measure sees the
+    repetition where it is: the kernel fed repeat_interleave'd K and V allocates 4 more (B, H, T, D)
+    tensors at least (K and V copied, then their gradients at H heads)."""
+    B, T, H, D = 2, 40, 8, 16
+    qkv, (q, k, v), do = gqa_inputs(B, T, H, H_kv, D, torch.float32)
+    bhtd, bht = B * H * T * D * 4, B * H * T * 4
+
+    def ours():
+        kernels.attention_packed(qkv, "triton", n_kv_head=H_kv).backward(do)
+
+    def repeated():  # a stand-in for what the kernel avoids
+        group = H // H_kv
+        attention(q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), "triton").backward(do)
+
+    expected = sorted([bhtd, bht, bht, bht, qkv.numel() * 4])
+    got = allocations(ours)
+    assert got == expected, f"allocated {got} bytes, expected {expected}"
+    extra = sum(allocations(repeated)) - sum(expected)
+    assert extra >= 4 * bhtd, (extra, bhtd)
+
+
+def test_gqa_shapes_are_checked():
+    """Head counts that do not divide, and packings that do not add up: one line, before any work."""
+    q, k = torch.randn(1, 6, 8, 16), torch.randn(1, 4, 8, 16)
+    for backend in ("math", "sdpa", "triton"):
+        with pytest.raises(ValueError, match=r"H_kv dividing H, got \(1, 6, 8, 16\), \(1, 4, 8, 16\)"):
+            attention(q, k, k, backend)
+    with pytest.raises(ValueError, match="H_kv dividing H"):
+        kernels.flash_attn_fwd(q, k[:, :3], k[:, :2])  # k and v of different shapes
+    with pytest.raises(ValueError, match=r"n_kv_head = H_kv dividing H; got \(1, 8, 10, 16\) and n_kv_head=None"):
+        kernels.attention_packed(torch.randn(1, 8, 10, 16), "sdpa")
+    with pytest.raises(ValueError, match="n_kv_head=3"):
+        kernels.unpack_qkv(torch.randn(1, 8, 10, 16), 3)  # 4 query heads over 3 kv heads
+    with pytest.raises(ValueError, match="n_kv_head=2"):
+        kernels.unpack_qkv(torch.randn(1, 8, 3, 4, 16), 2)  # GPT-2's packing is H_kv = H
+    q, k, v = kernels.unpack_qkv(torch.randn(1, 8, 12, 16), 2)  # 8 query heads, 2 kv heads
+    assert (q.shape, k.shape, v.shape) == ((1, 8, 8, 16), (1, 2, 8, 16), (1, 2, 8, 16))

@@ -3,7 +3,7 @@
 Triton can compile for a target it is not running on: triton.compile(ASTSource(...), target=
 GPUTarget("cuda", 80 or 90, 32)) runs the whole pipeline (Triton IR -> LLVM -> PTX -> ptxas -> cubin).
 For each kernel x head_dim x {fp16, bf16} x {sm_80 (A100), sm_90 (H100)}, and in bf16 the unmasked mode
-(causal=False) that ring attention uses off the diagonal, we check that
+(causal=False) that ring attention uses off the diagonal and the grouped-query builds, we check that
 
   * it compiles, with the launch configuration kernels.py will use on that GPU;
   * the PTX uses tensor cores: `mma.sync` on sm_80, `wgmma` (warpgroup MMA) on sm_90;
@@ -11,10 +11,14 @@ For each kernel x head_dim x {fp16, bf16} x {sm_80 (A100), sm_90 (H100)}, and in
   * ptxas, given the PTX with `-v`, reports 0 bytes of spill stores (no registers spilled to memory);
   * the PTX has no atomic instructions: each output has one writer, so results are deterministic.
 
+Two builds of each kernel reach a GPU, because Triton compiles an integer argument equal to 1 as a
+constant: GROUP_SIZE = 1 (multi-head attention: the kv-head arithmetic and the dK/dV program's loop over
+its group fold away) and GROUP_SIZE a run-time value (any grouped-query or multi-query attention).
+
 This must run without TRITON_INTERPRET (under the interpreter there is nothing to compile), so the
 test runs this file as a script in a clean subprocess. Run it yourself to see the resource table:
 
-    python tests/test_kernels_aot.py                          # all of them (~1 min on 2 cores)
+    python tests/test_kernels_aot.py                          # all of them (1-2 min on 2 cores)
     python tests/test_kernels_aot.py --head-dim 64 --dtype bf16  # one configuration
 """
 
@@ -27,6 +31,7 @@ import sys
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGETS = {  # compute capability -> (ptxas architecture, shared memory per block, tensor-core instruction)
@@ -36,9 +41,23 @@ TARGETS = {  # compute capability -> (ptxas architecture, shared memory per bloc
 POINTERS = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV", "LSE", "DELTA"}
 
 
-def jobs(head_dims=None, dtypes=None) -> list[tuple]:
-    """(kernel, head_dim, dtype, capability, BLOCK_M, BLOCK_N, warps, stages): what flash_forward and
-    flash_backward launch for each shipped configuration (or those of the given head dims / dtypes)."""
+class Job(NamedTuple):
+    """One kernel build: what flash_forward or flash_backward launches."""
+    kernel: str
+    D: int
+    dtype: str
+    cap: int
+    block_m: int
+    block_n: int | None
+    warps: int
+    stages: int
+    causal: bool = True
+    gqa: bool = False  # GROUP_SIZE a run-time value (grouped-query attention); else the constant 1
+
+
+def jobs(head_dims=None, dtypes=None) -> list[Job]:
+    """Every build flash_forward and flash_backward launch for each shipped configuration (or those of the
+    given head dims / dtypes)."""
     import torch
 
     import kernels
@@ -49,12 +68,13 @@ def jobs(head_dims=None, dtypes=None) -> list[tuple]:
         if (head_dims and D not in head_dims) or (dtypes and names[dtype] not in dtypes):
             continue
         for cap in TARGETS:
-            out += [("_attn_fwd", D, names[dtype], cap, c.block_m, c.block_n, c.fwd_warps, c.fwd_stages),
-                    ("_attn_bwd_delta", D, names[dtype], cap, c.big, None, 4, 3),
-                    ("_attn_bwd_dkdv", D, names[dtype], cap, c.small, c.big, c.bwd_warps, c.bwd_stages),
-                    ("_attn_bwd_dq", D, names[dtype], cap, c.big, c.small, c.bwd_warps, c.bwd_stages)]
-            if dtype == torch.bfloat16:  # ring attention's unmasked blocks (causal=False); fp16 is the same code
-                out += [(*job[:8], False) for job in out[-4:] if job[0] != "_attn_bwd_delta"]
+            fwd = Job("_attn_fwd", D, names[dtype], cap, c.block_m, c.block_n, c.fwd_warps, c.fwd_stages)
+            dkdv = Job("_attn_bwd_dkdv", D, names[dtype], cap, c.small, c.big, c.bwd_warps, c.bwd_stages)
+            dq = Job("_attn_bwd_dq", D, names[dtype], cap, c.big, c.small, c.bwd_warps, c.bwd_stages)
+            out += [fwd, Job("_attn_bwd_delta", D, names[dtype], cap, c.big, None, 4, 3), dkdv, dq]
+            if dtype == torch.bfloat16:  # fp16 is the same code: ring attention's unmasked blocks, and GQA
+                out += [job._replace(causal=False) for job in (fwd, dkdv, dq)]
+                out += [job._replace(gqa=True, causal=causal) for causal in (True, False) for job in (fwd, dkdv, dq)]
     return out
 
 
@@ -65,7 +85,7 @@ def compile_one(job: tuple) -> dict:
 
     import kernels
 
-    name, D, dtype, cap, block_m, block_n, warps, stages, *causal = job
+    name, D, dtype, cap, block_m, block_n, warps, stages, causal, gqa = Job(*job)
     fn = getattr(kernels, name)
     # The signature a real launch would get: 16-byte aligned pointers and strides divisible by 16 (true
     # for every (B, H, T, D) layout with D >= 16); H and T arbitrary.
@@ -75,7 +95,7 @@ def compile_one(job: tuple) -> dict:
             signature[arg] = "*fp32" if arg in ("LSE", "DELTA") else f"*{dtype}"
         elif arg == "sm_scale":
             signature[arg] = "fp32"
-        elif arg in ("HEAD_DIM", "BLOCK_M", "BLOCK_N", "CAUSAL"):
+        elif arg in ("HEAD_DIM", "BLOCK_M", "BLOCK_N", "CAUSAL") or arg == "GROUP_SIZE" and not gqa:
             signature[arg] = "constexpr"
         else:
             signature[arg] = "i32"
@@ -85,7 +105,9 @@ def compile_one(job: tuple) -> dict:
     if block_n is not None:
         constexprs["BLOCK_N"] = block_n
     if "CAUSAL" in fn.arg_names:
-        constexprs["CAUSAL"] = causal[0] if causal else True
+        constexprs["CAUSAL"] = causal
+    if "GROUP_SIZE" in fn.arg_names and not gqa:
+        constexprs["GROUP_SIZE"] = 1  # as a multi-head launch gets it: Triton specializes integers equal to 1
     target = GPUTarget("cuda", cap, 32)
     compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
                               options={"num_warps": warps, "num_stages": stages})
@@ -96,7 +118,8 @@ def compile_one(job: tuple) -> dict:
         (Path(tmp) / "k.ptx").write_text(ptx)
         log = subprocess.run([str(ptxas), "-v", f"-arch={arch}", "k.ptx", "-o", "k.cubin"], cwd=tmp,
                              capture_output=True, text=True, check=True).stderr
-    label = f"{name} (full)" if causal == [False] else name
+    modes = ", ".join(mode for mode, on in (("gqa", gqa), ("full", not causal)) if on)
+    label = f"{name} ({modes})" if modes else name
     return dict(kernel=label, D=D, dtype=dtype, target=arch, blocks=f"{block_m}x{block_n or '-'}",
                 warps=warps, stages=stages,
                 registers=int(re.search(r"Used (\d+) registers", log).group(1)),
@@ -112,12 +135,12 @@ def compile_all(head_dims=None, dtypes=None) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    head = (f"{'kernel':<23} {'D':>3} {'dtype':<5} {'target':<6} {'blocks':>7} {'warps':>5} {'stages':>6} "
+    head = (f"{'kernel':<26} {'D':>3} {'dtype':<5} {'target':<6} {'blocks':>7} {'warps':>5} {'stages':>6} "
             f"{'regs':>4} {'smem (limit)':>16} {'spill st/ld':>11} {'tensor cores':>12}")
     lines = [head, "-" * len(head)]
     for r in rows:
         smem = f"{r['shared']} ({r['shared_limit'] // 1024}K)"
-        lines.append(f"{r['kernel']:<23} {r['D']:>3} {r['dtype']:<5} {r['target']:<6} {r['blocks']:>7} "
+        lines.append(f"{r['kernel']:<26} {r['D']:>3} {r['dtype']:<5} {r['target']:<6} {r['blocks']:>7} "
                      f"{r['warps']:>5} {r['stages']:>6} {r['registers']:>4} {smem:>16} "
                      f"{r['spill_stores']:>5}/{r['spill_loads']:<5} {r['tensor_cores']:>12}")
     return "\n".join(lines)
@@ -138,6 +161,8 @@ def test_every_shipped_config_compiles_for_sm80_and_sm90():
     print("\n" + table(rows))
     assert len(rows) == len(jobs()) and {r["target"] for r in rows} == {"sm_80", "sm_90a"}
     assert {r["dtype"] for r in rows} == {"fp16", "bf16"}
+    built = {r["kernel"] for r in rows}
+    assert {f"{k} (gqa)" for k in ("_attn_fwd", "_attn_bwd_dkdv", "_attn_bwd_dq")} <= built, built
     for r in rows:
         where = f"{r['kernel']} D={r['D']} {r['dtype']} {r['target']}"
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, f"{where} spills registers"

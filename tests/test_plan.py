@@ -385,3 +385,17 @@ def test_the_fused_loss_never_holds_the_logits(monkeypatch):
     unfused = reports.peak_memory(lambda: F.cross_entropy(x @ w.t(), targets).backward(), cpu)
     logits = N * V * 4
     assert unfused >= 2 * logits and fused <= logits / 4 and unfused >= 4 * fused, (fused, unfused, logits)
+
+
+def test_kv_cache_bytes_are_what_sampling_holds():
+    """formulas.kv_cache_bytes against the caches a prefill fills, for multi-head GPT-2 and GQA Llama (2 of 4
+    kv heads: half the bytes)."""
+    held = {}
+    for preset in ("tiny", "llama-tiny"):
+        cfg = gpt.config_from_preset(preset, 257)
+        caches = [gpt.KVCache() for _ in range(cfg.n_layer)]
+        with torch.no_grad():
+            gpt.build(cfg, seed=0).next_logits(torch.randint(0, 257, (3, 20)), 0, caches)
+        held[preset] = sum(c.k.nbytes + c.v.nbytes for c in caches)
+        assert held[preset] == formulas.kv_cache_bytes(cfg, 3, 20, element_bytes=4)
+    assert held["llama-tiny"] * 2 == held["tiny"]

@@ -30,7 +30,8 @@ def test_help_documents_every_flag_under_its_heading_with_its_real_default():
     faults = out[at[-1]:]
     assert "--crash-at" in faults and "--poison-step" in faults and "--crash-at" not in out[:at[-1]]
     flat = " ".join(out.split())
-    assert "--preset PRESET model size: gpt2, gpt2-medium" in flat and "(default: gpt2 on CUDA, mini on CPU)" in flat
+    assert "--preset PRESET model size: gpt2, gpt2-medium" in flat
+    assert "(default: gpt2 on CUDA, mini on CPU; --arch llama: smollm2-135m on CUDA, llama-mini on CPU)" in flat
     assert "(default: 200 on CPU" in flat and "(default: 0)" not in flat.split("--max-steps")[1][:200]
 
 

@@ -1,6 +1,7 @@
 """Choose the attention kernel's launch configurations for a GPU (not collected by pytest).
 
     python tests/tune_attention.py                  # on a CUDA GPU: time the space, print the winners
+    python tests/tune_attention.py --n-kv-head 4    # the same for grouped-query attention (16 query heads)
     python tests/tune_attention.py --prune-only     # any machine: which candidates compile cleanly for sm_80/sm_90
 
 kernels.py never autotunes at run time (Triton's autotuner picks by timing, so two runs could pick
@@ -15,7 +16,11 @@ in kernels.SHIPPED for the head dim and dtype. This tool is how those records ar
   3. timed on the GPU: each survivor, at T = 1k, 2k, 4k, 8k (B*H*T fixed), causal; the score is
      the geometric mean of its times, and the best forward and best backward make the Launch.
 
-It prints the winners as kernels.SHIPPED lines, with each one's speed-up over the shipped entry.
+With --n-kv-head the kernels prune as their grouped-query build (the kv head a run-time value, the
+dK/dV program looping over its group) and are timed with that many kv heads; one table serves both
+(kernels.SHIPPED has no kv-head key), so a GQA winner is a hint to weigh against the multi-head one.
+
+It prints the winners as SHIPPED lines (support/launches.py), with each one's speed-up over the shipped entry.
 Paste them into kernels.py and run tests/test_kernels_aot.py (which then checks them on both
 architectures) and tests/bench_attention.py (which compares them with SDPA).
 """
@@ -36,7 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 FWD_SPACE = dict(block_m=(64, 128), block_n=(32, 64, 128), warps=(4, 8), stages=(2, 3, 4))
 BWD_SPACE = dict(small=(16, 32, 64), big=(64, 128), warps=(4, 8), stages=(2, 3))
-BHT = ((16, 16, 1024), (8, 16, 2048), (4, 16, 4096), (2, 16, 8192))
+HEADS = 16  # query heads in every timed shape
+BHT = ((16, HEADS, 1024), (8, HEADS, 2048), (4, HEADS, 4096), (2, HEADS, 8192))
 
 
 def forward_candidates() -> list[tuple[int, int, int, int]]:
@@ -50,14 +56,15 @@ def backward_candidates() -> list[tuple[int, int, int, int]]:
     return [c for c in itertools.product(*BWD_SPACE.values()) if c[1] % c[0] == 0]
 
 
-def aot_jobs(kind: str, cand: tuple, D: int, dtype: str, cap: int) -> list[tuple]:
-    """The kernels a candidate launches, as test_kernels_aot jobs."""
+def aot_jobs(kind: str, cand: tuple, D: int, dtype: str, cap: int, gqa: bool = False) -> list:
+    """The kernels a candidate launches, as test_kernels_aot jobs (their grouped-query builds if gqa)."""
+    from test_kernels_aot import Job
     if kind == "fwd":
         block_m, block_n, warps, stages = cand
-        return [("_attn_fwd", D, dtype, cap, block_m, block_n, warps, stages)]
+        return [Job("_attn_fwd", D, dtype, cap, block_m, block_n, warps, stages, gqa=gqa)]
     small, big, warps, stages = cand
-    return [("_attn_bwd_dkdv", D, dtype, cap, small, big, warps, stages),
-            ("_attn_bwd_dq", D, dtype, cap, big, small, warps, stages)]
+    return [Job("_attn_bwd_dkdv", D, dtype, cap, small, big, warps, stages, gqa=gqa),
+            Job("_attn_bwd_dq", D, dtype, cap, big, small, warps, stages, gqa=gqa)]
 
 
 def compiles_cleanly(rows: list[dict]) -> bool:
@@ -65,10 +72,10 @@ def compiles_cleanly(rows: list[dict]) -> bool:
                for r in rows)
 
 
-def prune(kind: str, cands: list[tuple], D: int, dtype: str, cap: int) -> list[tuple]:
+def prune(kind: str, cands: list[tuple], D: int, dtype: str, cap: int, gqa: bool = False) -> list[tuple]:
     """The candidates whose kernels compile for sm_`cap` without spills and within shared memory.
     (A candidate that does not compile at all, out of resources, is dropped too.)"""
-    jobs = {c: aot_jobs(kind, c, D, dtype, cap) for c in cands}
+    jobs = {c: aot_jobs(kind, c, D, dtype, cap, gqa) for c in cands}
     flat = [j for js in jobs.values() for j in js]
     with ProcessPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         rows = dict(zip(flat, pool.map(_compile_or_none, flat), strict=True))
@@ -103,8 +110,9 @@ def time_ms(fn, device, reps: int = 20) -> float:
     return statistics.median(times)
 
 
-def score(kind: str, cand: tuple, shipped, shapes, dtype, device, reps: int) -> float:
-    """Geometric mean over shapes of the candidate's time (fwd: the forward; bwd: the backward)."""
+def score(kind: str, cand: tuple, shipped, shapes, dtype, device, reps: int, n_kv_head: int | None = None) -> float:
+    """Geometric mean over shapes of the candidate's time (fwd: the forward; bwd: the backward), with
+    n_kv_head kv heads (default: as many as query heads)."""
     import torch
 
     import kernels
@@ -115,7 +123,8 @@ def score(kind: str, cand: tuple, shipped, shapes, dtype, device, reps: int) -> 
     times = []
     for B, H, T, D in shapes:
         gen = torch.Generator(device).manual_seed(0)
-        q, k, v, do = (torch.randn(B, H, T, D, device=device, generator=gen).to(dtype) for _ in range(4))
+        q, do = (torch.randn(B, H, T, D, device=device, generator=gen).to(dtype) for _ in range(2))
+        k, v = (torch.randn(B, n_kv_head or H, T, D, device=device, generator=gen).to(dtype) for _ in range(2))
         if kind == "fwd":
             times.append(time_ms(partial(kernels.flash_forward, q, k, v, cfg), device, reps))
         else:
@@ -124,9 +133,10 @@ def score(kind: str, cand: tuple, shipped, shapes, dtype, device, reps: int) -> 
     return geometric_mean(times)
 
 
-def tune(kind: str, cands: list[tuple], shipped, shapes, dtype, device, reps: int = 20) -> tuple[tuple, dict]:
+def tune(kind: str, cands: list[tuple], shipped, shapes, dtype, device, reps: int = 20,
+         n_kv_head: int | None = None) -> tuple[tuple, dict]:
     """The fastest candidate and every candidate's score."""
-    scores = {c: score(kind, c, shipped, shapes, dtype, device, reps) for c in cands}
+    scores = {c: score(kind, c, shipped, shapes, dtype, device, reps, n_kv_head) for c in cands}
     return min(scores, key=scores.get), scores
 
 
@@ -138,7 +148,12 @@ def main() -> int:
     p.add_argument("--prune-only", action="store_true", help="list the candidates that compile cleanly; time nothing")
     p.add_argument("--capability", type=int, choices=(80, 90), help="with --prune-only: the target (default both)")
     p.add_argument("--reps", type=int, default=20, help="timed repetitions per candidate and shape")
+    p.add_argument("--n-kv-head", type=int, default=HEADS,
+                   help=f"kv heads of the timed shapes (grouped-query attention below {HEADS}); divides {HEADS}")
     args = p.parse_args()
+    if args.n_kv_head < 1 or HEADS % args.n_kv_head:
+        p.error(f"--n-kv-head {args.n_kv_head} does not divide the {HEADS} query heads")
+    gqa = args.n_kv_head < HEADS
     if os.environ.get("TRITON_INTERPRET"):
         sys.exit("tune_attention.py compiles and times real kernels: run it without TRITON_INTERPRET")
     import torch
@@ -149,8 +164,9 @@ def main() -> int:
     if args.prune_only:
         for cap, D in itertools.product([args.capability] if args.capability else [80, 90], head_dims):
             for kind, cands in (("fwd", forward_candidates()), ("bwd", backward_candidates())):
-                kept = prune(kind, cands, D, args.dtype, cap)
-                print(f"sm_{cap} D={D} {kind}: {len(kept)} of {len(cands)} compile without spills: {kept}")
+                kept = prune(kind, cands, D, args.dtype, cap, gqa)
+                print(f"sm_{cap} D={D} {kind}{' (gqa)' if gqa else ''}: {len(kept)} of {len(cands)} compile "
+                      f"without spills: {kept}")
         return 0
     if not torch.cuda.is_available():
         print("tune_attention.py times kernels on a CUDA GPU; this machine has none (--prune-only works anywhere)")
@@ -158,16 +174,18 @@ def main() -> int:
     device = torch.device("cuda")
     cap = torch.cuda.get_device_capability()[0] * 10
     cap = 90 if cap >= 90 else 80
-    print(f"{torch.cuda.get_device_name()}: pruning for sm_{cap}, timing in {args.dtype}")
+    print(f"{torch.cuda.get_device_name()}: pruning for sm_{cap}, timing in {args.dtype}, "
+          f"{HEADS} query heads, {args.n_kv_head} kv heads")
     for D in head_dims:
         shipped = kernels.SHIPPED[D, dtype]
         shapes = [(B, H, T, D) for B, H, T in BHT]
         winners = {}
         for kind, cands in (("fwd", forward_candidates()), ("bwd", backward_candidates())):
-            kept = prune(kind, cands, D, args.dtype, cap)
-            best, scores = tune(kind, kept, shipped, shapes, dtype, device, args.reps)
+            kept = prune(kind, cands, D, args.dtype, cap, gqa)
+            best, scores = tune(kind, kept, shipped, shapes, dtype, device, args.reps, args.n_kv_head)
             current = (shipped[:4] if kind == "fwd" else shipped[4:])
-            base = scores.get(tuple(current)) or score(kind, tuple(current), shipped, shapes, dtype, device, args.reps)
+            base = scores.get(tuple(current)) or score(kind, tuple(current), shipped, shapes, dtype, device,
+                                                       args.reps, args.n_kv_head)
             winners[kind] = best
             print(f"D={D} {kind}: {len(kept)} of {len(cands)} candidates compile cleanly; best {best} "
                   f"{scores[best]:.3f} ms (geometric mean), shipped {tuple(current)} {base:.3f} ms: "
