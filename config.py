@@ -245,9 +245,6 @@ def check_arch(cfg: TrainConfig, family: str) -> None:
     if cfg.arch == "gpt2" and (given := [flag for flag, value in llama_flags.items() if value]):
         raise ConfigError(f"{', '.join(given)}: only for --arch llama (GPT-2 has multi-head attention, a "
                           "position table and tied embeddings)")
-    if cfg.arch == "llama" and cfg.memory_report:  # SwiGLU and RMSNorm save other tensors than GELU and LayerNorm
-        raise ConfigError("--memory-report holds the activations to GPT-2's model (formulas.activation_bytes), which "
-                          "is not yet written for --arch llama; leave it out")
     n_head = gpt.PRESETS[cfg.preset]["n_head"]
     if cfg.n_kv_head and n_head % cfg.n_kv_head:
         raise ConfigError(f"--n-kv-head {cfg.n_kv_head} does not divide the {cfg.preset} model's {n_head} heads")

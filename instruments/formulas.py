@@ -6,7 +6,8 @@
     memory     weights, gradients and optimizer state against ZeRO's 2Ψ + 2Ψ + 12Ψ (each / dp from
                its stage on); saved activations, activation_bytes, the one activation model
                (flash-aware, by --recompute) that planner.plan(), --memory-report and the lessons
-               use, with Korthikanti et al.'s s b h (34 + 5 a s / h) beside it
+               use, with Korthikanti et al.'s s b h (34 + 5 a s / h) beside it, and the same model
+               of a Llama layer (llama_activation_bytes: RMSNorm, GQA's narrower k and v, SwiGLU)
 
 Nothing here measures or prints: reports.py measures and says, planner.py works a whole run out on
 paper, and lessons 07-14 check their arithmetic with these. (The pipeline's bubble, (p-1)/(v m + p-1),
@@ -195,11 +196,66 @@ def korthikanti_bytes(seq_len: int, micro_batch: int, d_model: int, n_head: int,
     return s * b * h * (34 + scores) / t if sp else s * b * h * (10 + 24 / t + scores / t)
 
 
-def activation_formula(cfg: gpt.GPTConfig, seq_len: int, micro_batch: int, tp: int, sp: bool, recompute: str,
-                       attn: str, act_bytes: int, mask_bytes: int = 1,
-                       norm_bytes: int | None = None) -> tuple[float, float]:
-    """(activation_bytes, korthikanti_bytes) of one layer of the model `cfg` describes, per micro-batch."""
-    ours = activation_bytes(seq_len, micro_batch, cfg.n_embd, cfg.n_head, tp, sp, recompute, attn, act_bytes,
+def llama_activation_bytes(seq_len: int, micro_batch: int, d_model: int, n_head: int, n_kv_head: int, hidden: int,
+                           tp: int = 1, sp: bool = False, recompute: str = "none", attn: str = "flash",
+                           act_bytes: int = 2, mask_bytes: int = 1, dropout: float = 0.0, norm_bytes: int = 4,
+                           fused_norm: bool = False) -> float:
+    """activation_bytes for a Llama-family layer (model.py's arch="llama"), counted as GPT-2's is: bytes one
+    layer saves for its backward, per micro-batch, on one tensor-parallel rank, with f = `hidden` (SwiGLU's
+    width) and r = n_kv_head / n_head. In elements of `act_bytes`, per layer:
+        the two RMSNorms: each its input and x / rms(x) (the gain's gradient needs
+          it; torch's fused CUDA kernel keeps only the input: `fused_norm`),
+          of `norm_bytes`                                               4 s b h, 2 s b h fused (/t under SP)
+        their outputs, as c_attn and c_fc keep them (under SP: after the all-gather)      2 s b h
+        q, k, v after RoPE, the attention's saved input: k and v are r as wide      (1 + 2 r) s b h / t
+          (the rotation itself keeps only its cos and sin, 2 s D per layer: left out)
+        the attention output (c_proj's input)                                             s b h / t
+        SwiGLU: c_fc's output (gate and up, one buffer) 2 f, silu(gate) f, and the
+          product, c_proj's input, f                                                    4 s b f / t
+        the math backend only: the probabilities a s^2 b, and k and v repeated for
+          each query head, 2 (1 - r) s b h more (flash kernels keep neither)   (a s^2 b + 2 (1 - r) s b h) / t
+        dropout masks (dropout > 0), as GPT-2's                                  2 s b h   (/t under SP)
+    An RMSNorm keeps fp32 (`norm_bytes` 4) whatever the compute dtype: autocast runs rms_norm in fp32,
+    casting a 16-bit stream up (measured on the CPU; on CUDA this is the assumption, as for LayerNorm).
+    llama-tiny in fp32 (h = 64, f = 4h, r = 1/2): 4 + 2 + 2 + 1 + 16 = 25 s b h elements, and SavedActivations
+    measures 25.16 (tests/test_plan.py): the 0.16 is RMSNorm's 1/rms(x) (2 s b floats), the kernel's
+    logsumexp (a s b) and RoPE's cos and sin, under 0.1% of a layer at Llama-3-8B's widths: left out.
+    (The 24.9 once measured there was 25.16 less the first block's input, which an embedding lookup
+    produces and SavedActivations took for a copy of the table.) At Llama-3-8B's shape in bf16 on a GPU
+    (f = 3.5 h, r = 1/4, fused fp32 norms) that is 2 x 4 + 2 (2 + 1.5 + 1 + 14) = 45 bytes per s b h, where
+    a GPT-2 layer keeps 2 x 4 + 2 (2 + 3 + 1 + 8) = 36: GQA saves 3, the wider MLP costs 12. `recompute`:
+    none keeps all of it; selective drops the math backend's term (and the logsumexp); full keeps the block
+    input alone, s b h (/t under SP), as GPT-2's."""
+    s, b, h, a, f, t, r = seq_len, micro_batch, d_model, n_head, hidden, tp, n_kv_head / n_head
+    replicated = s * b * h / t if sp else s * b * h  # what tensor parallelism alone does not split
+    if recompute == "full":
+        return replicated * act_bytes
+    norms = (2 if fused_norm else 4) * replicated * norm_bytes
+    saved = norms + act_bytes * (2 * s * b * h + ((1 + 2 * r) * s * b * h + s * b * h + 4 * s * b * f) / t)
+    if attn == "math" and recompute != "selective":
+        saved += act_bytes * (a * s * s * b + 2 * (1 - r) * s * b * h) / t
+    return saved + (2 * replicated * mask_bytes if dropout > 0 else 0)
+
+
+def layer_activation_bytes(cfg: gpt.GPTConfig, seq_len: int, micro_batch: int, tp: int, sp: bool, recompute: str,
+                           attn: str, act_bytes: int, mask_bytes: int = 1, norm_bytes: int | None = None,
+                           fused_norm: bool = False) -> float:
+    """The activation model of the architecture `cfg` describes: activation_bytes for GPT-2,
+    llama_activation_bytes for the Llama family (its RMSNorms keep fp32: `norm_bytes` is GPT-2's LayerNorm's)."""
+    if cfg.llama:
+        return llama_activation_bytes(seq_len, micro_batch, cfg.n_embd, cfg.n_head, cfg.kv_heads, cfg.hidden, tp,
+                                      sp, recompute, attn, act_bytes, mask_bytes, cfg.dropout, 4, fused_norm)
+    return activation_bytes(seq_len, micro_batch, cfg.n_embd, cfg.n_head, tp, sp, recompute, attn, act_bytes,
                             mask_bytes, cfg.dropout, norm_bytes)
-    return ours, korthikanti_bytes(seq_len, micro_batch, cfg.n_embd, cfg.n_head, tp, sp, recompute)
+
+
+def activation_formula(cfg: gpt.GPTConfig, seq_len: int, micro_batch: int, tp: int, sp: bool, recompute: str,
+                       attn: str, act_bytes: int, mask_bytes: int = 1, norm_bytes: int | None = None,
+                       fused_norm: bool = False) -> tuple[float, float | None]:
+    """(layer_activation_bytes, korthikanti_bytes) of one layer of the model `cfg` describes, per micro-batch;
+    Korthikanti et al. counted GPT-2's layer, so a Llama's has no second number (None)."""
+    ours = layer_activation_bytes(cfg, seq_len, micro_batch, tp, sp, recompute, attn, act_bytes, mask_bytes,
+                                  norm_bytes, fused_norm)
+    paper = None if cfg.llama else korthikanti_bytes(seq_len, micro_batch, cfg.n_embd, cfg.n_head, tp, sp, recompute)
+    return ours, paper
 

@@ -209,7 +209,7 @@ def memory_report(run, memory: dict) -> str:
     residual = next(run.model.parameters()).dtype.itemsize  # the stream the LayerNorms read (activation_bytes)
     ours, paper = formulas.activation_formula(run.model_cfg, cfg.seq_len // grid.cp, cfg.micro_batch_size, grid.tp,
                                               grid.sp, cfg.recompute, cfg.attn, elem, 1 if cuda else elem,
-                                              4 if cuda else residual)
+                                              4 if cuda else residual, fused_norm=cuda)
     formula, acts = formulas.state_formula(run.model, run.opt, run.sync, grid), memory["activations"]
     cp = f"cp {grid.cp_rank}, " if grid.cp > 1 else ""
     n = f"N = dp x cp = {grid.dp_cp}" if grid.cp > 1 else f"N = dp = {grid.dp}"
@@ -220,8 +220,8 @@ def memory_report(run, memory: dict) -> str:
         value, text = formula[kind]
         lines.append(f"  {kind:<12}{measured:>16,}{value:>16,.0f}  {text:<10}{'yes' if measured == value else 'NO'}")
     lines.append(f"  activations saved per layer and micro-batch (--recompute {cfg.recompute}): measured "
-                 f"{acts.per_layer:,.0f}, formula {ours:,.0f} ({acts.per_layer / ours:.1%}); Korthikanti et al. "
-                 f"(16-bit, dropout masks) {paper:,.0f}")
+                 f"{acts.per_layer:,.0f}, formula {ours:,.0f} ({acts.per_layer / ours:.1%})"
+                 + ("" if paper is None else f"; Korthikanti et al. (16-bit, dropout masks) {paper:,.0f}"))
     if acts.allocated is not None:
         lines.append(f"  allocator: {acts.allocated:,} bytes more held after the blocks' forward than before it")
     lines.append("  ZeRO paper (16-bit weights and gradients, K = 12): 2Ψ+2Ψ+12Ψ (no ZeRO), 2Ψ+2Ψ+12Ψ/N (1), "
@@ -399,15 +399,22 @@ class SavedActivations:
         return sum(self.saved.values()) / len(self.blocks)
 
 
+# What autograd records for a cast or a view: the only steps between a weight and its copy.
+CASTS_AND_VIEWS = {"ToCopyBackward0", "TBackward0", "TransposeBackward0", "ViewBackward0", "UnsafeViewBackward0",
+                   "PermuteBackward0", "ExpandBackward0", "AliasBackward0"}
+
+
 def weight_copy(t: torch.Tensor) -> bool:
     """Is t a parameter seen through casts and views only (autocast's bf16 copy of a weight, its
-    transpose)? Followed down its autograd graph while each step has a single input."""
+    transpose)? Followed down its autograd graph while each step is one of those. (Not any step with a
+    single input: an embedding's lookup has one too, the table, and Llama's first block reads it as it
+    is, without GPT-2's added positions.)"""
     fn = t.grad_fn
     for _ in range(4):
         if fn is None or hasattr(fn, "variable"):  # a leaf's AccumulateGrad holds the leaf
             return fn is not None and isinstance(fn.variable, torch.nn.Parameter)
         inputs = [f for f, _ in fn.next_functions if f is not None]
-        if len(inputs) != 1:
+        if len(inputs) != 1 or fn.name() not in CASTS_AND_VIEWS:
             return False
         fn = inputs[0]
     return False

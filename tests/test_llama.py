@@ -150,7 +150,6 @@ def test_the_kernel_runs_a_gqa_llama_as_sdpa_does():
     (["--n-kv-head", "2"], "--n-kv-head: only for --arch llama"),
     (["--arch", "llama", "--preset", "tiny", "--n-kv-head", "3"], "--n-kv-head 3 does not divide the tiny "
      "model's 4 heads"),
-    (["--arch", "llama", "--memory-report"], "--memory-report holds the activations to GPT-2's model"),
 ])
 def test_bad_architecture_flags_are_one_line(flags, message):
     with pytest.raises(config.ConfigError, match=message):
@@ -214,6 +213,24 @@ def test_a_llama_checkpoint_continues_at_another_layout(llama_reference, corpus,
     resumed = run_train(corpus, tmp_path, *flags)
     assert "(step 2)" in resumed.stdout
     assert_same_run(llama_reference, tmp_path)
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+@pytest.mark.parametrize("nproc,flags", [(1, []), (2, ["--tp", "2", "--sp"])], ids=["one", "tp2-sp"])
+def test_memory_report_holds_a_llama_to_its_activation_model(nproc, flags, recompute, corpus, tmp_path):
+    """--memory-report --arch llama: on every rank the bytes autograd saved per layer within 10% of
+    formulas.llama_activation_bytes (tests/test_plan.py has it term by term), whose value the report prints:
+    at tp 2 with --sp the RMSNorms' region is cut by the sequence, q/k/v, SwiGLU and the attention by heads."""
+    from instruments import formulas
+    out = run_train(corpus, tmp_path, "--max-steps", "1", *LLAMA, "--memory-report", "--recompute", recompute,
+                    *flags, nproc=nproc).stdout
+    lines = [ln for ln in out.splitlines() if "activations saved per layer" in ln]
+    assert len(lines) == nproc, out[-3000:]
+    tp = 2 if flags else 1
+    want = formulas.llama_activation_bytes(32, 8, 64, 4, 2, 256, tp, bool(flags), recompute, act_bytes=4)
+    for ln in lines:
+        assert f"formula {want:,.0f} (" in ln and "Korthikanti" not in ln, ln
+        assert 0.9 < float(ln.split("(")[-1].split("%")[0]) / 100 < 1.1, ln
 
 
 @pytest.mark.parametrize("tp,cp,attn,message", [
