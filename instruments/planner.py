@@ -1,6 +1,7 @@
 """A training run on paper: what each GPU holds, what it sends, how long a step takes, how many days.
 
-    p = plan(n_layer, n_head, d_model, vocab, seq_len, batch, n_gpus, tp=8, pp=4, ...)
+    p = plan(n_layer, n_head, d_model, vocab, seq_len, batch, n_gpus, tp=8, pp=4, ...)      a GPT-2 shape
+    p = plan_model(model.config_from_preset("llama-3-8b"), seq_len, batch, n_gpus, tp=8, ...)  any of model.py's
     print(format_plan(p))
 
 Before renting a thousand GPUs, a team works the run out on paper: the parameters and FLOPs per token
@@ -23,13 +24,14 @@ The hardware tables live here too: GPUS, what plan() needs of a GPU and its link
 `peak_flops`, the denominator of every MFU a run measures (reports.MFU; on a CPU a measured matmul).
 """
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
 import torch
 
 import model as gpt
-from instruments.formulas import activation_bytes
+from instruments.formulas import layer_activation_bytes
 from parallel import LayoutError
 
 
@@ -135,25 +137,47 @@ def matmul_efficiency(m: float, k: float, n: float, gpu: GPU) -> float:
     return 2 * m * k * n / (gpu.peak * matmul_seconds(m, k, n, gpu))
 
 
-def layer_gemms(tokens: int, d: int, tp: int) -> list[tuple[int, float, float]]:
+def layer_gemms(tokens: int, d: int, tp: int, qkv: int | None = None, hidden: int | None = None,
+                gated: bool = False) -> list[tuple[int, float, float]]:
     """The (m, k, n) of a block's four weight matmuls on one tensor-parallel rank: c_attn and c_fc
-    column-parallel (n / tp), the two c_proj row-parallel (k / tp); m is the micro-batch's tokens."""
-    return [(tokens, d, 3 * d / tp), (tokens, d / tp, d), (tokens, d, 4 * d / tp), (tokens, 4 * d / tp, d)]
+    column-parallel (n / tp), the two c_proj row-parallel (k / tp); m is the micro-batch's tokens.
+    GPT-2's widths by default: q, k, v 3d, the MLP 4d. A Llama's: q, k, v (H + 2 H_kv) D (`qkv`), and
+    SwiGLU's c_fc makes the gate and up (`gated`: 2 `hidden`) for a c_proj of `hidden`."""
+    qkv, hidden = qkv or 3 * d, hidden or 4 * d
+    return [(tokens, d, qkv / tp), (tokens, d / tp, d), (tokens, d, (2 if gated else 1) * hidden / tp),
+            (tokens, hidden / tp, d)]
 
 
 def plan(n_layer: int, n_head: int, d_model: int, vocab: int, seq_len: int, batch: int, n_gpus: int,
-         tp: int = 1, pp: int = 1, micro_batch: int = 1, zero: int = 1, tokens: float = 0.0,
-         mfu: float | None = None, gpu: str | GPU = "H100", grad_bytes: int = 4, recompute: str = "none",
-         attn: str = "flash", sp: bool = True, dropout: float = 0.0, vp: int = 1, gpus_per_node: int = 8) -> dict:
-    """One training run of a dense GPT-2-shaped model, on paper: what each GPU holds, what it sends
-    per optimizer step, how long a step takes on this layout and so how long `tokens` take.
+         **layout) -> dict:
+    """plan_model() of a dense GPT-2-shaped model of these sizes, its position table seq_len long."""
+    shape = gpt.GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=d_model, block_size=seq_len, vocab_size=vocab)
+    return plan_model(shape, seq_len, batch, n_gpus, **layout)
+
+
+def plan_model(shape: gpt.GPTConfig, seq_len: int, batch: int, n_gpus: int, tp: int = 1, pp: int = 1,
+               micro_batch: int = 1, zero: int = 1, tokens: float = 0.0, mfu: float | None = None,
+               gpu: str | GPU = "H100", grad_bytes: int = 4, recompute: str = "none", attn: str = "flash",
+               sp: bool = True, dropout: float = 0.0, vp: int = 1, gpus_per_node: int = 8) -> dict:
+    """One training run of a dense model of model.py's `shape` (GPT-2 or the Llama family: a preset's
+    config_from_preset), on paper: what each GPU holds, what it sends per optimizer step, how long a step
+    takes on this layout and so how long `tokens` take.
     `batch` is the global batch in sequences (train.py's --batch-size); dp = n_gpus / (tp pp); ranks
     are laid out as Grid does (tp innermost, then dp, then pp), nodes of `gpus_per_node`. `gpu` names
     a row of GPUS. `vp` > 1: the interleaved schedule with vp chunks per stage.
 
-    parameters  12 L d^2 + 13 L d + (V + s) d + 2 d: model.py exactly (Narayanan et al. 2021, sec. 5.1
-                without the final LayerNorm); FLOPs use the 12 L d^2 + V d in matmuls:
-                6 N + 12 L H Q T per token (PaLM, appendix B; model.flops_per_token)
+    parameters  model.n_params: for GPT-2 12 L d^2 + 13 L d + (V + s) d + 2 d (Narayanan et al. 2021,
+                sec. 5.1 without the final LayerNorm); FLOPs use the weights in matmuls (12 L d^2 + V d):
+                6 N + 12 L H Q T per token (PaLM, appendix B; model.flops_per_token). A Llama's come from
+                the same two functions: GQA's narrower k and v, SwiGLU's three matrices, the untied head
+    Llama       what else changes: tp must divide the kv heads too (shard.py); c_attn is (H + 2 H_kv) D
+                wide and c_fc 2 f, so the weights, the gradient traffic and the matmuls shrink with GQA and
+                follow f; the activations are llama_activation_bytes (RMSNorms in fp32, through the fused
+                kernel). What does not: the tensor-parallel all-reduces and pipeline messages carry the
+                d-wide residual stream whatever H_kv (GQA shrinks K and V only inside a rank, and in
+                context parallelism's ring, not planned here); the attention core's time is its H query
+                heads'. The elementwise work per token: SwiGLU's 5 f / tp (silu reads and writes f, the
+                product reads 2 f and writes f) and RoPE's 2 (H + 2 H_kv) D / tp in place of GELU's 8 d / tp
     memory      state_bytes() on the N / (tp pp) parameters this GPU holds, plus activation_bytes()
                 per layer and micro-batch in bf16 (the one activation model; `attn="math"` keeps the
                 s x s probabilities, flash kernels do not); under 1F1B the first stage keeps
@@ -199,22 +223,27 @@ def plan(n_layer: int, n_head: int, d_model: int, vocab: int, seq_len: int, batc
                 stragglers. `mfu` given: an assumed MFU sets the step time instead."""
     gpu = GPUS[gpu] if isinstance(gpu, str) else gpu
     dp = n_gpus // (tp * pp)
-    if dp * tp * pp != n_gpus or n_head % tp or n_layer < pp * vp or batch % (dp * micro_batch) \
+    L, H, d, s, b, V = shape.n_layer, shape.n_head, shape.n_embd, seq_len, micro_batch, shape.padded_vocab
+    kv = f", {shape.kv_heads} kv heads" if shape.kv_heads != H else ""
+    if dp * tp * pp != n_gpus or H % tp or shape.kv_heads % tp or L < pp * vp or batch % (dp * micro_batch) \
             or (vp > 1 and (batch // (dp * micro_batch)) % pp):
-        raise LayoutError(f"{n_gpus} GPUs as tp {tp} x pp {pp} x dp, {n_head} heads, {n_layer} layers, "
+        raise LayoutError(f"{n_gpus} GPUs as tp {tp} x pp {pp} x dp, {H} heads{kv}, {L} layers, "
                           f"batch {batch} in micro-batches of {micro_batch}"
                           f"{f', {vp} chunks per stage' if vp > 1 else ''}: not a possible layout")
-    shape = gpt.GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=d_model, block_size=seq_len, vocab_size=vocab)
-    L, H, d, s, b, V = n_layer, n_head, d_model, seq_len, micro_batch, shape.padded_vocab
+    shape = dataclasses.replace(shape, dropout=dropout)
     n_params = gpt.n_params(shape)
     flops_per_token = gpt.flops_per_token(shape, s)
     local = n_params / (tp * pp)  # the first and last stage also hold V d / tp of embedding: ignored
     weights, grads, optimizer = state_bytes(local, dp, zero, grad_bytes)
     m, layers = batch // (dp * b), -(-L // pp)  # micro-batches per pipeline and step; layers of the last stage
     in_flight = min(m, pp + (pp - 1) / vp if vp > 1 else pp)  # stages' worth of micro-batches stage 0 holds
-    activations = activation_bytes(s, b, d, H, tp, sp, recompute, attn, 2, 1, dropout) * layers * in_flight
+
+    def per_layer(mode):  # bf16 activations, 1-byte masks; a Llama's RMSNorms in fp32 through the fused kernel
+        return layer_activation_bytes(shape, s, b, tp, sp, mode, attn, 2, 1, fused_norm=True)
+
+    activations = per_layer(recompute) * layers * in_flight
     if recompute == "full":
-        activations += activation_bytes(s, b, d, H, tp, sp, "none", attn, 2, 1, dropout)
+        activations += per_layer("none")
     memory = {"weights": weights, "grads": grads, "optimizer": optimizer, "activations": activations,
               "total": weights + grads + optimizer + activations}
     act = 2 * s * b * d  # one bf16 activation, bytes
@@ -235,12 +264,14 @@ def plan(n_layer: int, n_head: int, d_model: int, vocab: int, seq_len: int, batc
 
     # one micro-batch through one layer on one GPU: a forward, then the backward (twice the forward)
     tokens_mb, head_dim = b * s, d / H
-    gemms = layer_gemms(tokens_mb, d, tp)
+    qkv = (H + 2 * shape.kv_heads) * shape.head_dim  # q, k, v: 3d, or GQA's narrower k and v
+    gemms = layer_gemms(tokens_mb, d, tp, qkv, shape.hidden, True) if shape.llama else layer_gemms(tokens_mb, d, tp)
     gemm_s = sum(matmul_seconds(*g, gpu) for g in gemms)
     score_passes = (6.5 if dropout > 0 else 4) if attn == "math" else 0  # s x s elements written or read
     attn_s = b * H / tp * (4 * s * s * head_dim * (1 if attn == "math" else 0.5) / (gpu.matmul_eff * gpu.peak)
                            + 2 * (4 * s * head_dim + score_passes * s * s) / gpu.hbm_bw)
-    elementwise_s = 2 * tokens_mb * ((11 if dropout > 0 else 10) * d / (tp if sp else 1) + 8 * d / tp) / gpu.hbm_bw
+    pointwise = 5 * shape.hidden + 2 * qkv if shape.llama else 8 * d  # GELU; or SwiGLU and RoPE (docstring)
+    elementwise_s = 2 * tokens_mb * ((11 if dropout > 0 else 10) * d / (tp if sp else 1) + pointwise / tp) / gpu.hbm_bw
     forward = gemm_s + attn_s + elementwise_s
     compute = 3 * forward + {"full": forward, "selective": attn_s, "none": 0.0}[recompute]
     tp_s = pairs * act * 2 * ring(tp) / link["tp"]

@@ -306,11 +306,11 @@ def test_a_killed_run_resumes_bitwise_on_cuda(variant, gpu_corpus, tmp_path):
 
 
 @pytest.mark.parametrize("recompute", ["none", "full"])
-def test_memory_report_on_cuda(recompute, gpu_corpus, tmp_path):
-    """GPT-2 under ZeRO-3 on one GPU (every unit still gathered and freed): the weights, gradients and
-    optimizer state equal the formulas; the activations autograd saves (bf16, our kernel) are within
-    10% of ours; the allocator reports its own view of the same span."""
-    result = train_on_gpu(gpu_corpus, tmp_path / "run", "--preset", "gpt2", "--seq-len", "256", "--batch-size", "8",
+@pytest.mark.parametrize("preset", ["gpt2", "smollm2-135m"])
+def test_memory_report_on_cuda(preset, recompute, gpu_corpus, tmp_path):
+    """GPT-2 and a Llama (GQA, SwiGLU, RMSNorm by torch's fused kernel) under ZeRO-3 on one GPU: weights, gradients,
+    optimizer state equal the formulas; activations saved (bf16) within 10% of ours; the allocator's view too."""
+    result = train_on_gpu(gpu_corpus, tmp_path / "run", "--preset", preset, "--seq-len", "256", "--batch-size", "8",
                           "--max-steps", "2", "--zero", "3", "--recompute", recompute, "--memory-report",
                           "--no-compile")
     out = result.stdout

@@ -128,6 +128,43 @@ def test_one_activation_model_for_plan_and_the_memory_report():
     assert formulas.korthikanti_bytes(1024, 4, 768, 12, 1, False, "selective") == 34 * sbh
 
 
+@pytest.mark.parametrize("preset,tp,pp,gpus", [("smollm2-135m", 1, 1, 8), ("llama-3-8b", 8, 1, 64),
+                                                ("llama-3-8b", 4, 2, 64)])
+def test_the_planner_takes_a_llama_from_model_py(preset, tp, pp, gpus):
+    """plan_model() of a Llama preset: parameters and FLOPs per token are model.py's own counts (GQA's narrower
+    k and v, SwiGLU's three matrices, the untied head), a GPU's weights, gradients and optimizer state its
+    share of them, its activations llama_activation_bytes per layer (bf16, fused fp32 RMSNorms) for the
+    micro-batches 1F1B holds. GQA shrinks the c_attn weights, so the gradient traffic and the matmul time,
+    but not the tensor-parallel all-reduces, which carry the d-wide residual stream: equal to those of the
+    same model with all 32 kv heads, and of a GPT-2 of its width and depth."""
+    cfg = gpt.config_from_preset(preset)
+    s, batch, b = 4096, 256, 1
+    p = planner.plan_model(cfg, s, batch, gpus, tp=tp, pp=pp, micro_batch=b)
+    with torch.device("meta"):
+        n = gpt.count_params(gpt.GPT(cfg))
+    assert p["params"] == n == gpt.n_params(cfg)  # 134,515,008 and 8,030,261,248 (tests/test_llama.py)
+    assert p["flops_per_token"] == gpt.flops_per_token(cfg, s)
+    mem, dp = p["memory"], gpus // (tp * pp)
+    assert (mem["weights"], mem["grads"], mem["optimizer"]) == planner.state_bytes(n / (tp * pp), dp)
+    layers, m = cfg.n_layer // pp, batch // (dp * b)
+    per_layer = formulas.llama_activation_bytes(s, b, cfg.n_embd, cfg.n_head, cfg.kv_heads, cfg.hidden, tp, True,
+                                                fused_norm=True)
+    assert mem["activations"] == per_layer * layers * min(pp, m)
+    assert per_layer == formulas.layer_activation_bytes(cfg, s, b, tp, True, "none", "flash", 2, fused_norm=True)
+    if preset != "llama-3-8b":
+        return
+    assert per_layer == s * b * 4096 * (2 * 4 / tp + 2 * 2 + 2 * (1.5 + 1 + 14) / tp)
+    mha = planner.plan_model(gpt.config_from_preset(preset, n_kv_head=32), s, batch, gpus, tp=tp, pp=pp)
+    gpt2 = planner.plan(32, 32, 4096, 128256, s, batch, gpus, tp=tp, pp=pp)
+    assert p["comm"]["tp"] == mha["comm"]["tp"] == gpt2["comm"]["tp"] and p["comm"]["pp"] == gpt2["comm"]["pp"]
+    kv_weights = 32 * 2 * 4096 * (32 - 8) * 128  # k and v of 24 more heads, in every layer
+    assert mha["params"] - p["params"] == kv_weights
+    assert mha["comm"]["dp"] / p["comm"]["dp"] == pytest.approx(mha["params"] / p["params"])
+    assert p["time"]["compute"] < mha["time"]["compute"]  # narrower c_attn matmuls
+    with pytest.raises(parallel.LayoutError, match="32 heads, 8 kv heads"):
+        planner.plan_model(cfg, s, batch, 128, tp=16)  # tp 16 divides the query heads, not the 8 kv heads
+
+
 def test_traffic_formulas():
     p = planner.plan(80, 64, 8192, 32000, 4096, batch=1024, n_gpus=512, tp=8, pp=4)
     act = 2 * 4096 * 8192  # one bf16 activation of a sequence
