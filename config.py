@@ -152,7 +152,8 @@ class TrainConfig:
     comm_report: bool = arg(False, "print the bytes every collective moved on the first step, next to the "
                             "formula they should match")
     memory_report: bool = arg(False, "print, per rank, the bytes of weights, gradients, optimizer state and "
-                              "saved activations of the first step, next to the ZeRO and Korthikanti formulas")
+                              "saved activations of the first step, next to ZeRO's formulas and the --arch's "
+                              "activation model (and Korthikanti et al.'s, for GPT-2)")
 
     crash_at: str = arg("", "'step:N' SIGKILLs the process after step N, 'save:N' in the middle of the save at "
                         "step N, 'rank:R:step:N' only rank R (only in a launcher's first attempt, so a restarted "
