@@ -1,0 +1,352 @@
+"""FP8 training's numerics: eight-bit matmuls that still learn (Micikevicius et al. 2022, "FP8 Formats
+for Deep Learning").
+
+Two formats, one byte each (Hopper, Ada and later GPUs multiply them at twice the bf16 rate):
+
+    e4m3fn  sign | 4 exponent bits (bias 7)  | 3 mantissa bits    max 1.75·2^8  =   448, no infinities
+    e5m2    sign | 5 exponent bits (bias 15) | 2 mantissa bits    max 1.75·2^15 = 57344, IEEE-like (±inf)
+
+                 smallest subnormal   smallest normal   max      binades   ulp / value (normal)
+    e4m3fn       2^-9  ≈ 0.00195      2^-6 ≈ 0.0156     448      17.8      2^-3: rounding error ≤ 2^-4 = 6.25%
+    e5m2         2^-16 ≈ 1.5e-5       2^-14 ≈ 6.1e-5    57344    31.8      2^-2: rounding error ≤ 2^-3 = 12.5%
+    (bf16        2^-133               2^-126            3.4e38   261       2^-7: ≤ 2^-8 = 0.4%)
+
+    e4m3   0 ·subnormals· 2^-6 ┃········┃ 2^-5 ┃········┃ 2^-4  ...  2^7 ┃········┃ 2^8 ·······448
+             (step 2^-9)        8 values a binade; each binade's step is twice the one before
+    e5m2   0 ·subnormals· 2^-14 ┃····┃ 2^-13 ┃····┃  ...  2^15 ···57344 (then inf)
+             (step 2^-16)       4 values a binade: half the precision, 14 more binades
+
+Why e4m3 forward and e5m2 backward (the paper's section 3, and TransformerEngine's "HYBRID" recipe):
+activations and weights sit in a few binades and want precision (3 mantissa bits); gradients spread
+over many more binades (they shrink through the layers and over training, with heavy tails), so they
+need range more than precision, and e5m2's 32 binades give it. Here, per Linear:
+
+    forward    Y  = X Wᵀ         X e4m3, W e4m3   ─▶ fp32 / bf16
+    backward   dX = dY W         dY e5m2, W e4m3  ─▶ the dtype of X
+               dW = dYᵀ X        dY e5m2, X e4m3  ─▶ the dtype of W (the master weights stay as they are)
+               db = Σ dY         in fp32 (a sum, not a matmul: nothing to gain in fp8)
+
+Scaling. 17.8 binades is too few to hold a tensor where it happens to lie: a gradient of 1e-6 is
+zero in e5m2, an activation of 600 is past e4m3's max. So every tensor is carried as (q, s) with
+q = fp8(x·s) and x ≈ q / s, one fp32 scale per tensor ("per-tensor scaling"), chosen so the
+tensor's largest magnitude lands at the top of the format:
+
+    s = fmt_max / amax / 2^margin          (amax = max |x|; amax 0 or not finite: s = 1)
+
+The margin leaves headroom (amax lands at fmt_max·2^-margin). Values beyond ±fmt_max saturate to
+±fmt_max, and those that rounding would have taken past it (from fmt_max + half an ulp: 464 for
+e4m3fn) are counted, never silent (`overflow`); values below half the smallest subnormal become 0
+(`underflow`); ±inf becomes NaN, so a non-finite step is still caught by the loop. `torch._scaled_mm`
+takes q_a, q_b and the inverses 1/s_a, 1/s_b; a GPU multiplies in fp8 with fp32 accumulation and applies
+the inverses to the result, (q_a / s_a)(q_b / s_b) = q_a q_b / (s_a s_b); a CPU dequantizes the
+operands and multiplies in fp32: the same values to fp32 rounding.
+
+Current vs delayed scaling (where amax comes from):
+- current ("dynamic"): the amax of this tensor now. Exact, but two passes over the tensor (amax,
+  then cast), and when the tensor is split over ranks an all-reduce MAX before the cast.
+- delayed (TransformerEngine's DelayedScaling): the scale comes from the max of the last `history`
+  steps' amaxes (TE's default: 1024); the tensor's own amax is recorded while it is cast and enters
+  the history after the step (`update`), reduced over ranks once per step. One pass, no collective
+  before the cast, but the scale lags: a tensor whose amax jumps 100x in one step saturates in that
+  step (the overflow count shows it), and the step after adapts. Before the first `update` there is
+  no history, so the first step scales currently.
+
+Finer scales (not built here; ideas for later): one scale per row (torchao's rowwise recipe), per
+1x128 tile of activations and 128x128 block of weights (DeepSeek-V3's recipe), or per 32-element
+block with a power-of-two e8m0 scale (the OCP Microscaling "MX" formats, native on Blackwell). An
+outlier then costs only its own row or block's precision instead of the whole tensor's; the amax
+becomes a vector; `_scaled_mm` takes scale_a (M, 1) and scale_b (1, N) for rows, and blocked
+shapes for the rest; under tensor parallelism only rows split along K would need the reduction.
+
+Every layout quantizes identically: the scale is a function of the amax, and the amax of a tensor
+split over ranks must be the GLOBAL one, so each role takes a `reduce_max(t)` (the integration gives
+an all-reduce MAX through parallel.Grid, counted). With it an element gets the same fp8 bits on one
+rank as on eight.
+
+Memory: X is saved for the backward in fp8 (1 byte, not 2 or 4). W is saved as it was given (under
+ZeRO-3, a view of the unit's gathered buffer, which the backward gathers again) and quantized again
+in the backward with the forward's scale: the same bits, and no fp8 copy of every layer held from
+forward to backward. A cast under no_grad (evaluation, sampling, recomputation's first forward) uses
+the scale but records nothing; recomputation's second forward records, so each cast counts once.
+
+`_scaled_mm`'s contract (CUDA's, the strictest; the CPU accepts more, but this file keeps CUDA's
+everywhere so the code that passes here runs on an H100): 2-D operands, the first row-major, the
+second column-major; the contraction dim and the second operand's columns multiples of 16 (padded
+with zeros here: exact, the padding adds zero products); per-tensor scales are fp32 tensors of one
+element; out_dtype must be given (its default is fp8); e5m2 x e5m2 is refused (never needed here);
+compute capability 8.9 or newer (`fp8_supported` says where it cannot run). On a CPU with AMX the call
+is routed past oneDNN (`aten_cpu_kernel`), whose fp8 kernel there is ~1000x slower than ATen's.
+"""
+
+import contextlib
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+MANTISSA_BITS = {E4M3: 3, E5M2: 2}
+RECIPES = ("current", "delayed")
+DEFAULT_HISTORY = 1024  # TransformerEngine's DelayedScaling default (amax_history_len)
+ROLES = {"x": E4M3, "w": E4M3, "g": E5M2}  # the input, the weight, the output's gradient
+OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what _scaled_mm can write
+FP32_MAX = torch.finfo(torch.float32).max
+
+ReduceMax = Callable[[torch.Tensor], torch.Tensor]
+
+
+def fmt_max(fmt: torch.dtype) -> float:
+    """The largest finite value: 448 for e4m3fn, 57344 for e5m2."""
+    return torch.finfo(fmt).max
+
+
+def rounding_bound(fmt: torch.dtype) -> float:
+    """Round-to-nearest's relative error for a normal value: half an ulp, 2^-(mantissa bits + 1)."""
+    return 2.0 ** -(MANTISSA_BITS[fmt] + 1)
+
+
+def smallest_subnormal(fmt: torch.dtype) -> float:
+    """The spacing of the subnormals (and of the lowest normal binade): 2^-9 for e4m3fn, 2^-16 for e5m2."""
+    return torch.finfo(fmt).smallest_normal * 2.0 ** -MANTISSA_BITS[fmt]
+
+
+class Quantized(NamedTuple):
+    data: torch.Tensor       # the fp8 tensor
+    overflow: torch.Tensor   # int64 (): elements that rounding would take past ±max, saturated (±inf: NaN)
+    underflow: torch.Tensor  # int64 (): nonzero elements that became zero
+
+
+def scale_for(amax: torch.Tensor, fmt: torch.dtype, margin: float = 0.0) -> torch.Tensor:
+    """s = fmt_max / amax / 2^margin (fp32, 0-dim): amax lands at fmt_max·2^-margin. Where amax is 0
+    (an all-zero tensor: any scale is exact) or not finite (the step is lost anyway), s = 1; a tiny amax
+    gives at most fp32's max, never inf."""
+    s = (fmt_max(fmt) / amax.float() / 2.0 ** margin).clamp(max=FP32_MAX)
+    return torch.where(torch.isfinite(amax) & (amax > 0), s, torch.ones_like(s))
+
+
+def rounds_past_max(fmt: torch.dtype) -> float:
+    """Where round-to-nearest would leave the format: fmt_max plus half an ulp of its binade (464 for
+    e4m3fn, 61440 for e5m2). Below it the clamp changes nothing rounding would not."""
+    return fmt_max(fmt) + 2.0 ** (math.floor(math.log2(fmt_max(fmt))) - MANTISSA_BITS[fmt] - 1)
+
+
+def quantize(x: torch.Tensor, fmt: torch.dtype, scale: torch.Tensor) -> Quantized:
+    """fp8(x·scale), saturating at ±fmt_max, with the counts of what saturated (|x·scale| at or past
+    `rounds_past_max`) and of what flushed to 0. The clamp is ours, not the cast's: torch's own cast of
+    a too-large value differs by format (e5m2: inf; e4m3fn: 448 on this CPU, with no promise elsewhere)."""
+    top = fmt_max(fmt)
+    xs = x.float() * scale  # in fp32: one rounding (2^-24) before the cast's
+    mag = xs.abs()
+    overflow = (mag >= rounds_past_max(fmt)).sum()
+    underflow = ((mag <= smallest_subnormal(fmt) / 2) & (mag > 0)).sum()  # ties round to even: to 0
+    data = torch.where(mag == math.inf, torch.nan, xs.clamp(-top, top)).to(fmt)  # ±inf: NaN, not ±max
+    return Quantized(data, overflow, underflow)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """q / scale in fp32, as _scaled_mm applies it: times the inverse scale."""
+    return q.float() * scale.reciprocal()
+
+
+@contextlib.contextmanager
+def aten_cpu_kernel(device: torch.device):
+    """On a CPU with AMX, torch sends float8 _scaled_mm to oneDNN, whose fp8 kernel there is a reference
+    loop (10 s for one of mini's Linears, where fp32 takes 10 ms). With oneDNN off for the call, ATen's
+    own CPU kernel runs, fast: it dequantizes each operand (q times its inverse scale, in fp32) and
+    multiplies in fp32. The result differs from oneDNN's in the last bits, within fp32 rounding."""
+    if device.type != "cpu" or not torch.backends.mkldnn.enabled:
+        yield
+        return
+    torch.backends.mkldnn.enabled = False
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.enabled = True
+
+
+def scaled_matmul(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                  out_dtype: torch.dtype) -> torch.Tensor:
+    """(a / scale_a) @ (b / scale_b) for fp8 a (M, K) and b (K, N) of any layout, through _scaled_mm:
+    a made row-major, b column-major (copies of one byte per element where they are not), K and N
+    padded with zeros to multiples of 16, the inverse scales passed as _scaled_mm wants them."""
+    k, n = a.shape[1], b.shape[1]
+    pad_k, pad_n = -k % 16, -n % 16
+    if pad_k or pad_n:
+        a, b = F.pad(a, (0, pad_k)), F.pad(b, (0, pad_n, 0, pad_k))  # zero products: the sum is unchanged
+    with aten_cpu_kernel(a.device):
+        y = torch._scaled_mm(a.contiguous(), b.t().contiguous().t(), scale_a=scale_a.reciprocal(),
+                             scale_b=scale_b.reciprocal(), out_dtype=out_dtype)  # (M, N + pad_n)
+    return y[:, :n].contiguous() if pad_n else y
+
+
+class Scaling:
+    """The scale of one tensor role (x, w or g of one Linear) and what its casts saw.
+
+    `cast(t)` quantizes t: current scaling from t's amax now (reduced with `reduce_max` first, when t
+    is split over ranks), delayed scaling from the history (current until the first `update`). Under
+    grad mode it also records t's amax (the max over the step's casts) and the overflow and underflow
+    counts. `update()`, once per optimizer step, rolls the step's amax into the history (newest first,
+    as TE keeps it), takes the delayed scale from the history's max for the next step, resets the
+    counts and returns the finished step's statistics. Everything stays on the device: no host reads.
+    """
+
+    def __init__(self, fmt: torch.dtype, recipe: str = "current", history: int = DEFAULT_HISTORY,
+                 margin: float = 0.0, reduce_max: ReduceMax | None = None, device="cpu"):
+        if fmt not in MANTISSA_BITS:
+            raise ValueError(f"fp8 format must be float8_e4m3fn or float8_e5m2, not {fmt}")
+        if recipe not in RECIPES:
+            raise ValueError(f"fp8 scaling recipe must be one of {', '.join(RECIPES)}, not {recipe!r}")
+        if history < 1 or not (0 <= margin < 64):
+            raise ValueError(f"fp8 amax history must be >= 1 (got {history}) and margin in [0, 64) (got {margin})")
+        self.fmt, self.recipe, self.history, self.margin, self.reduce_max = fmt, recipe, history, margin, reduce_max
+        self.amax_history = torch.zeros(history, device=device)  # [0] is the newest step
+        self.scale = torch.ones((), device=device)  # delayed: this step's; current: the last cast's
+        self.updates = 0  # update() calls: steps recorded in the history
+        self._reset()
+
+    def _reset(self) -> None:
+        device = self.scale.device
+        self.step_amax = torch.zeros((), device=device)  # max |t| over this step's casts (this rank's, for delayed)
+        self.overflow = torch.zeros((), dtype=torch.int64, device=device)
+        self.underflow = torch.zeros((), dtype=torch.int64, device=device)
+
+    def cast(self, t: torch.Tensor, record: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """t in fp8 and the scale used: t ≈ q / scale."""
+        t = t.detach()
+        amax = t.abs().amax().float()
+        if self.recipe == "current" or self.updates == 0:
+            if self.reduce_max is not None:
+                amax = self.reduce_max(amax)  # the whole tensor's, when t is one rank's part of it
+            scale = scale_for(amax, self.fmt, self.margin)
+        else:
+            scale = self.scale
+        q = quantize(t, self.fmt, scale)
+        if record:
+            self.scale = scale
+            self.step_amax = torch.maximum(self.step_amax, amax)
+            self.overflow, self.underflow = self.overflow + q.overflow, self.underflow + q.underflow
+        return q.data, scale
+
+    def update(self, reduce_max: ReduceMax | None = None) -> dict[str, torch.Tensor]:
+        """End of an optimizer step. `reduce_max` spans every rank whose casts belong to this step's
+        tensor (data-parallel ranks included: one process sees all of them), so the history, and the
+        next delayed scale, are those of one process. Returns the finished step's amax, the scale it
+        used and its overflow and underflow counts (this rank's casts)."""
+        amax = self.step_amax if reduce_max is None else reduce_max(self.step_amax)
+        amax = torch.where(torch.isfinite(amax), amax, torch.zeros_like(amax))  # a lost step leaves no trace
+        stats = {"amax": amax, "scale": self.scale, "overflow": self.overflow, "underflow": self.underflow}
+        self.amax_history = torch.cat([amax.reshape(1), self.amax_history[:-1]])
+        if self.recipe == "delayed":
+            top = self.amax_history.max()
+            self.scale = torch.where(top > 0, scale_for(top, self.fmt, self.margin), self.scale)
+        self.updates += 1
+        self._reset()
+        return stats
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps: the history and the scale (copies) and the settings they belong to."""
+        return {"fmt": str(self.fmt).removeprefix("torch."), "recipe": self.recipe, "history": self.history,
+                "margin": self.margin, "updates": self.updates,
+                "amax_history": self.amax_history.clone(), "scale": self.scale.clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        mine = self.state_dict()
+        for key in ("fmt", "recipe", "history", "margin"):
+            if state[key] != mine[key]:
+                raise ValueError(f"the checkpoint's fp8 scaling has {key} {state[key]!r}, this run {mine[key]!r}: "
+                                 f"resume with the same --precision fp8 settings")
+        device = self.scale.device
+        self.amax_history = state["amax_history"].to(device, torch.float32).clone()
+        self.scale = state["scale"].to(device, torch.float32).clone()
+        self.updates = int(state["updates"])
+        self._reset()
+
+
+class Fp8LinearState:
+    """The three roles of one Linear: x (its input, e4m3), w (its weight, e4m3), g (its output's
+    gradient, e5m2). `reduce_max` is one callable for all three or a dict by role (a column-parallel
+    layer's x is whole on each rank while its w and g are split; a row-parallel layer's x and w split)."""
+
+    def __init__(self, recipe: str = "current", history: int = DEFAULT_HISTORY, margin: float = 0.0,
+                 reduce_max: ReduceMax | dict[str, ReduceMax] | None = None, device="cpu"):
+        hooks = reduce_max if isinstance(reduce_max, dict) else dict.fromkeys(ROLES, reduce_max)
+        if not set(hooks) <= set(ROLES):
+            raise ValueError(f"reduce_max roles must be among {', '.join(ROLES)}, not {', '.join(hooks)}")
+        self.x, self.w, self.g = (Scaling(fmt, recipe, history, margin, hooks.get(role), device)
+                                  for role, fmt in ROLES.items())
+
+    def roles(self) -> dict[str, Scaling]:
+        return {"x": self.x, "w": self.w, "g": self.g}
+
+    def update(self, reduce_max: ReduceMax | None = None) -> dict[str, dict[str, torch.Tensor]]:
+        return {role: s.update(reduce_max) for role, s in self.roles().items()}
+
+    def state_dict(self) -> dict:
+        return {role: s.state_dict() for role, s in self.roles().items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        for role, s in self.roles().items():
+            s.load_state_dict(state[role])
+
+
+class _Fp8Linear(torch.autograd.Function):
+    """y = x Wᵀ + b with both matmuls of the backward in fp8 too (the table at the top)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, state: Fp8LinearState, out_dtype: torch.dtype, record: bool):
+        xq, sx = state.x.cast(x, record)  # (M, K) e4m3
+        wq, sw = state.w.cast(weight, record)  # (N, K) e4m3: after ZeRO-3's gather, since it is the gathered W
+        y = scaled_matmul(xq, wq.t(), sx, sw, out_dtype)  # (M, N); wq.t() is column-major as it is
+        if bias is not None:
+            y = y + bias.to(out_dtype)
+        ctx.save_for_backward(xq, weight, sx, sw)
+        ctx.state, ctx.x_dtype, ctx.bias_dtype = state, x.dtype, None if bias is None else bias.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        xq, weight, sx, sw = ctx.saved_tensors
+        dx = dw = db = None
+        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+            gq, sg = ctx.state.g.cast(dy)  # (M, N) e5m2
+            if ctx.needs_input_grad[0]:
+                wq = quantize(weight, E4M3, sw).data  # the forward's bits again (already counted)
+                dx = scaled_matmul(gq, wq, sg, sw, ctx.x_dtype)  # (M, N) @ (N, K)
+            if ctx.needs_input_grad[1]:
+                dw = scaled_matmul(gq.t(), xq, sg, sx, weight.dtype)  # (N, M) @ (M, K)
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+            db = dy.float().sum(0).to(ctx.bias_dtype)  # (N,), summed in fp32
+        return dx, dw, db, None, None, None
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               state: Fp8LinearState) -> torch.Tensor:
+    """F.linear(x, weight, bias) with its three matmuls in fp8 (x: (..., K), weight: (N, K)). The
+    output has the dtype F.linear would give: autocast's where autocast is on, else x's."""
+    if x.dtype not in OUT_DTYPES or weight.dtype not in OUT_DTYPES:
+        raise TypeError(f"fp8_linear takes float32, bfloat16 or float16 x and weight, not {x.dtype} and {weight.dtype}")
+    if x.shape[-1] != weight.shape[1] or (bias is not None and bias.shape != weight.shape[:1]):
+        raise ValueError(f"fp8_linear: x {tuple(x.shape)}, weight {tuple(weight.shape)} and bias "
+                         f"{None if bias is None else tuple(bias.shape)} do not fit y = x Wᵀ + b")
+    kind = x.device.type
+    out_dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+    with torch.autocast(kind, enabled=False):  # our casts are the precision; autocast must not add its own
+        y = _Fp8Linear.apply(x.reshape(-1, x.shape[-1]), weight, bias, state, out_dtype, torch.is_grad_enabled())
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def fp8_supported(device: torch.device | str) -> str | None:
+    """None where _scaled_mm multiplies float8 on `device` (both of the pairs used here); else one line
+    that says why not, for `--precision fp8` to refuse with."""
+    device = torch.device(device)
+    try:
+        a, g = torch.zeros(16, 16, device=device, dtype=E4M3), torch.zeros(16, 16, device=device, dtype=E5M2)
+        one = torch.ones((), device=device)
+        scaled_matmul(a, a.t(), one, one, torch.float32)  # the forward's pair
+        scaled_matmul(g, a, one, one, torch.float32)  # the backward's
+    except Exception as e:  # noqa: BLE001 (any failure means "not here"; its first line says which)
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        return f"fp8 needs torch._scaled_mm with float8 operands, which does not run on {device}: {reason}"
+    return None
