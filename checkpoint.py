@@ -53,6 +53,7 @@ from pathlib import Path
 
 import torch
 
+import fp8
 from model import canonical_name
 from shard import take_shard, unshard
 from support import storage
@@ -83,6 +84,9 @@ def tensor_entries(model: torch.nn.Module, opt, grid) -> dict[str, tuple]:
     for name, p in model.named_parameters():
         if grid.owns(p) and not weights_sharded(opt):  # ZeRO-3: the fp32 masters below are the weights
             out[name] = entry(p, name, p)
+    if grid.tp_rank == 0 and grid.dp_cp_rank == 0:  # --precision fp8: the scales, the same on all those ranks
+        for key, t in fp8.checkpoint_tensors(fp8_states(model)).items():
+            out[key] = entry(t, key, t)
     if isinstance(opt, ZeroAdamW):  # ZeRO: this rank's flat slices of the moments and master weights
         for name, p, kind, (a, z), t in opt.pieces(model):
             if grid.owns(p, replicated_over_dp=False):
@@ -94,6 +98,11 @@ def tensor_entries(model: torch.nn.Module, opt, grid) -> dict[str, tuple]:
             for kind in ("exp_avg", "exp_avg_sq"):
                 out[f"{name}::{kind}"] = entry(state[kind], f"{name}::{kind}", p)
     return out
+
+
+def fp8_states(model: torch.nn.Module) -> list:
+    """(module name, Fp8LinearState) of every Linear that --precision fp8 gave one."""
+    return [(name, m.fp8) for name, m in model.named_modules() if getattr(m, "fp8", None) is not None]
 
 
 def weights_sharded(opt) -> bool:
@@ -221,6 +230,8 @@ def load(reader: Reader, model, opt, grid) -> dict:
         for kind in ("exp_avg", "exp_avg_sq", "master"):
             if f"{key}::{kind}" in reader:
                 moments[name, kind] = local_part(reader.full(f"{key}::{kind}"), p, torch.float32, "cpu")
+    states = fp8_states(model)
+    scales = {key: reader.full(key) for key in fp8.checkpoint_tensors(states) if key in reader}
     mine = reader.rank_state(grid.rank) if manifest["layout"] == layout_of(grid) else None
     for name in params:  # ZeRO's masters start from the weights when the checkpoint kept none
         moments.setdefault((name, "master"), values[name].float())
@@ -229,6 +240,8 @@ def load(reader: Reader, model, opt, grid) -> dict:
             if not weights_sharded(opt):  # ZeRO-3 rebuilds its weight shards from the masters
                 p.copy_(values[name])
     load_optimizer(opt, model, moments, state0["extra"]["opt_step"])
+    if scales:
+        fp8.load_checkpoint_tensors(states, scales)
     if mine is not None:  # same layout: this rank continues its own random streams exactly
         set_rng_state(mine["rng"], grid.device)
     return state0["extra"]
@@ -278,7 +291,8 @@ def consolidate(source: "Path | Reader") -> dict[str, torch.Tensor]:
     run kept them): a checkpoint directory, or a Reader that `pin` or `newest` returned."""
     reader = source if isinstance(source, Reader) else pin(Path(source))
     names = dict.fromkeys(n.split("::")[0] for n in reader.entries)  # ZeRO-3 saves only the masters
-    return {n: reader.full(f"{n}::master" if f"{n}::master" in reader else n).float() for n in names}
+    return {n: reader.full(f"{n}::master" if f"{n}::master" in reader else n).float() for n in names
+            if n in reader or f"{n}::master" in reader}  # not a module's fp8 scales ("<module>::fp8.x.scale")
 
 
 def local_part(full: torch.Tensor, p: torch.Tensor, dtype: torch.dtype | None = None,

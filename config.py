@@ -23,6 +23,7 @@ import model as gpt
 import parallel
 import pipeline
 import stability
+from fp8 import fp8_supported
 from support import cli, tokenizer
 from support.cli import arg, at_least
 from support.devices import ConfigError  # raised here too; caught as config.ConfigError
@@ -89,8 +90,14 @@ class TrainConfig:
                     (lambda v: 0 <= v < 2**32, "must be in [0, 2^32)"))
     max_bad_steps: int = arg(5, "stop after this many non-finite steps in a row", at_least(1))
 
-    precision: str = arg("auto", "fp32, bf16 (autocast) or fp16 (autocast + loss scaling)",
-                         choices=["auto", "fp32", "bf16", "fp16"], group="precision", shown="bf16 on CUDA, fp32 on CPU")
+    precision: str = arg("auto", "fp32, bf16 (autocast), fp16 (autocast + loss scaling), fp8 (the blocks' Linears "
+                         "in fp8, bf16 elsewhere; see fp8.py) or fp8-fp32 (fp8 Linears, fp32 elsewhere)",
+                         choices=["auto", "fp32", "bf16", "fp16", "fp8", "fp8-fp32"], group="precision",
+                         shown="bf16 on CUDA, fp32 on CPU")
+    fp8_recipe: str = arg("current", "fp8: where each tensor's scale comes from: its amax now (current) or the "
+                          "max of the last --fp8-amax-history steps' (delayed, TransformerEngine's)",
+                          choices=["current", "delayed"])
+    fp8_amax_history: int = arg(1024, "fp8, delayed scaling: steps of amax history", at_least(1))
     loss_scale: float = arg(2.0**16, "fp16: initial loss scale", (lambda v: v > 0, "must be > 0"), shown="65536")
     loss_scale_window: int = arg(1000, "fp16: grow the scale after this many steps without overflow", at_least(1))
 
@@ -225,8 +232,9 @@ def resolve_defaults(cfg: TrainConfig, device: torch.device, bf16_ok: bool = Tru
     cfg.min_lr = cfg.lr / 10 if cfg.min_lr < 0 else cfg.min_lr
     if cfg.precision == "auto":
         cfg.precision = "bf16" if cuda and bf16_ok else "fp32"
+    check_fp8(cfg, device)
     if cfg.compile is None:
-        cfg.compile = cuda
+        cfg.compile = cuda and not stability.PRECISIONS[cfg.precision].fp8
     if cfg.zero == 3 and cfg.pp > 1:
         raise ConfigError("--zero 3 with --pp is not supported: ZeRO-3 gathers the tied embedding as one unit on "
                           "one stage; use --zero 1 or 2 with pipeline parallelism")
@@ -249,6 +257,20 @@ def check_arch(cfg: TrainConfig, family: str) -> None:
     n_head = gpt.PRESETS[cfg.preset]["n_head"]
     if cfg.n_kv_head and n_head % cfg.n_kv_head:
         raise ConfigError(f"--n-kv-head {cfg.n_kv_head} does not divide the {cfg.preset} model's {n_head} heads")
+
+
+def check_fp8(cfg: TrainConfig, device: torch.device | None = None) -> None:
+    """The fp8 flags need an fp8 precision; fp8 runs eager (its casts are not written for torch.compile), and
+    only where torch._scaled_mm multiplies float8 (`device`: checked there)."""
+    fp8 = stability.PRECISIONS[cfg.precision].fp8
+    given = [flag for flag, changed in (("--fp8-recipe", cfg.fp8_recipe != "current"),
+                                        ("--fp8-amax-history", cfg.fp8_amax_history != 1024)) if changed]
+    if given and not fp8:
+        raise ConfigError(f"{', '.join(given)}: only with --precision fp8 or fp8-fp32")
+    if fp8 and cfg.compile:
+        raise ConfigError("--precision fp8 runs eager: leave out --compile (fp8.py's casts are not compiled)")
+    if fp8 and device is not None and (why := fp8_supported(device)):
+        raise ConfigError(f"--precision {cfg.precision}: {why}")
 
 
 def check_schedule(cfg: TrainConfig) -> None:

@@ -84,6 +84,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -350,3 +351,77 @@ def fp8_supported(device: torch.device | str) -> str | None:
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
         return f"fp8 needs torch._scaled_mm with float8 operands, which does not run on {device}: {reason}"
     return None
+
+
+# ----------------------------------------------------------------------------- a model's Linears
+
+
+def enable(model: torch.nn.Module, grid, recipe: str = "current", history: int = DEFAULT_HISTORY) -> list:
+    """--precision fp8: give every Linear of the transformer blocks (qkv, attention out, MLP in and out) the
+    scaling of its three tensors; the embeddings, the norms and the output layer stay as they were.
+    A tensor split over ranks takes its amax over them (`reduce_max`, an all-reduce MAX through the Grid,
+    counted): tensor parallelism splits a column-parallel layer's w and output gradient (its weight's
+    `shard` dim is 0) and a row-parallel layer's x and w (dim 1); context parallelism splits every x and
+    gradient along the sequence. So a layout casts each element with the scale one process would.
+    Returns [(module name, Fp8LinearState)] in module order."""
+    states = []
+    for name, m in model.named_modules():
+        if not name.startswith("transformer.h.") or not hasattr(type(m), "fp8"):
+            continue
+        spec = getattr(m.weight, "shard", None)
+        split = spec["dim"] if spec and spec["count"] > 1 else None
+        groups = {"x": ["tp"] if split == 1 else [], "w": ["tp"] if split is not None else [],
+                  "g": ["tp"] if split == 0 else []}
+        if grid.cp > 1:
+            groups["x"].append("cp")
+            groups["g"].append("cp")
+        m.fp8 = Fp8LinearState(recipe, history, reduce_max={r: _reduce_over(grid, gs) for r, gs in groups.items()},
+                               device=grid.device)
+        states.append((name, m.fp8))
+    return states
+
+
+def _reduce_over(grid, groups: list[str]) -> ReduceMax | None:
+    if not any(grid.size(g) > 1 for g in groups):
+        return None
+
+    def reduce_max(t: torch.Tensor) -> torch.Tensor:
+        t = t.clone()
+        for g in groups:
+            grid.all_reduce(t, g, op=dist.ReduceOp.MAX)
+        return t
+    return reduce_max
+
+
+def end_step(states: list, grid, recipe: str) -> torch.Tensor:
+    """After the optimizer step: every scaling rolls its step into its history. Under delayed scaling the
+    next scale must be the one a single process would take, so each amax is first the max over every rank
+    that cast a part of that tensor this step: one all-reduce MAX over tp, one over dp x cp, of 4 bytes per
+    role per Linear this rank holds. Returns this rank's saturated elements in the step (a device tensor)."""
+    scalings = [s for _, state in states for s in state.roles().values()]
+    overflow = sum((s.overflow for s in scalings), torch.zeros((), dtype=torch.int64, device=grid.device))
+    if recipe == "delayed" and scalings:
+        amax = torch.stack([s.step_amax for s in scalings])
+        for group in ("tp", "dp_cp"):
+            grid.all_reduce(amax, group, op=dist.ReduceOp.MAX)
+        for s, a in zip(scalings, amax, strict=True):
+            s.step_amax = a
+    for s in scalings:
+        s.update()
+    return overflow
+
+
+def checkpoint_tensors(states: list) -> dict[str, torch.Tensor]:
+    """What a checkpoint keeps of each scaling, by "<module>::fp8.<role>.<field>": the amax history, the scale
+    and how many steps it has seen (its settings are the run's --fp8-* flags, checked with the precision)."""
+    return {f"{name}::fp8.{role}.{field}": value for name, state in states for role, s in state.roles().items()
+            for field, value in (("amax_history", s.amax_history), ("scale", s.scale),
+                                 ("updates", torch.tensor(float(s.updates))))}  # a float: exact to 2^24 steps
+
+
+def load_checkpoint_tensors(states: list, values: dict[str, torch.Tensor]) -> None:
+    """The inverse of checkpoint_tensors, given every key it wrote."""
+    for name, state in states:
+        for role, s in state.roles().items():
+            s.load_state_dict({**s.state_dict(), **{field: values[f"{name}::fp8.{role}.{field}"]
+                                                    for field in ("amax_history", "scale", "updates")}})

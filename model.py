@@ -55,6 +55,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fp8 import fp8_linear
 from kernels import attention, attention_packed, unpack_qkv
 from lmhead import lm_head_loss
 
@@ -272,6 +273,20 @@ class Positions(nn.Module):
         return torch.arange(start, start + T, device=device)
 
 
+class Linear(nn.Linear):
+    """A block's matmul: nn.Linear, or FP8 once a run gives it the scaling of its three tensors
+    (--precision fp8: fp8.enable). shard.py's tensor-parallel layers take the same `fp8` slot."""
+    fp8 = None  # an fp8.Fp8LinearState, or None: F.linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.fp8)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp8=None) -> torch.Tensor:
+    """y = x W^T + b: F.linear, or its three matmuls in FP8 given an Fp8LinearState (fp8.py)."""
+    return F.linear(x, weight, bias) if fp8 is None else fp8_linear(x, weight, bias, fp8)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -281,8 +296,8 @@ class CausalSelfAttention(nn.Module):
         self.recompute_core = cfg.recompute == "selective"
         # q, k, v for all heads at once: 3 H D outputs, or H D + 2 H_kv D under GQA
         width = (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim
-        self.c_attn = nn.Linear(cfg.n_embd, width, bias=not cfg.llama)
-        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=not cfg.llama)
+        self.c_attn = Linear(cfg.n_embd, width, bias=not cfg.llama)
+        self.c_proj = Linear(cfg.n_embd, cfg.n_embd, bias=not cfg.llama)
         self.resid_dropout = nn.Dropout(cfg.dropout)
         # Llama: RoPE, and the share of kv heads among the projection's heads (so that a tensor-parallel
         # rank, holding H/tp query and H_kv/tp kv heads, finds its own)
@@ -325,8 +340,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.swiglu = cfg.llama
-        self.c_fc = nn.Linear(cfg.n_embd, (2 if cfg.llama else 1) * cfg.hidden, bias=not cfg.llama)
-        self.c_proj = nn.Linear(cfg.hidden, cfg.n_embd, bias=not cfg.llama)
+        self.c_fc = Linear(cfg.n_embd, (2 if cfg.llama else 1) * cfg.hidden, bias=not cfg.llama)
+        self.c_proj = Linear(cfg.hidden, cfg.n_embd, bias=not cfg.llama)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -550,6 +565,12 @@ def n_params(cfg: GPTConfig) -> int:
     if cfg.llama:
         return cfg.n_layer * (block_matrices(cfg) + 2 * C) + (1 if cfg.tied else 2) * V * C + C
     return cfg.n_layer * (12 * C * C + 13 * C) + (cfg.padded_vocab + cfg.block_size) * C + 2 * C
+
+
+def fp8_flop_share(cfg: GPTConfig, seq_len: int) -> float:
+    """The share of flops_per_token that --precision fp8 runs in fp8: the blocks' Linears (not attention's
+    two matmuls, nor the output layer)."""
+    return 6 * cfg.n_layer * block_matrices(cfg) / flops_per_token(cfg, seq_len)
 
 
 def flops_per_token(cfg: GPTConfig, seq_len: int) -> float:

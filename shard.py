@@ -174,6 +174,7 @@ class ColumnParallelLinear(torch.nn.Module):
     """y = x A^T + b with A split by output features: each rank computes its own columns of y.
     `groups` > 1 splits each of that many blocks of outputs (q, k and v) separately, so every
     rank gets whole heads of each (a list: the blocks' sizes, for GQA's H D, H_kv D, H_kv D)."""
+    fp8 = None  # --precision fp8 (fp8.enable): this rank's w and the output's gradient are split
 
     def __init__(self, in_features: int, out_features: int, grid: Grid, bias: bool = True,
                  groups: int | list[int] = 1):
@@ -185,12 +186,13 @@ class ColumnParallelLinear(torch.nn.Module):
 
     def forward(self, x):
         x = gather_from_sp(x, self.grid) if self.grid.sp_on else copy_to_tp(x, self.grid)
-        return torch.nn.functional.linear(x, self.weight, self.bias)  # (B, T, out / tp)
+        return gpt.linear(x, self.weight, self.bias, self.fp8)  # (B, T, out / tp)
 
 
 class RowParallelLinear(torch.nn.Module):
     """y = x A^T + b with A split by input features: each rank holds a slice of x's features and
     produces a partial sum of y; g sums them. The bias is replicated and added once, after."""
+    fp8 = None  # --precision fp8 (fp8.enable): this rank's x and w are split
 
     def __init__(self, in_features: int, out_features: int, grid: Grid, bias: bool = True):
         super().__init__()
@@ -199,7 +201,7 @@ class RowParallelLinear(torch.nn.Module):
         self.bias = meta_param(out_features, sequence_parallel=grid.sp) if bias else None
 
     def forward(self, x):
-        y = torch.nn.functional.linear(x, self.weight)  # (B, T, out), a partial sum
+        y = gpt.linear(x, self.weight, None, self.fp8)  # (B, T, out), a partial sum
         y = scatter_to_sp(y, self.grid) if self.grid.sp_on else reduce_from_tp(y, self.grid)
         return y if self.bias is None else y + self.bias
 

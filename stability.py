@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+import model as gpt
+
 
 @dataclass(frozen=True)
 class Precision:
@@ -28,6 +30,7 @@ class Precision:
     compute: torch.dtype | None
     params: torch.dtype
     loss_scaling: bool
+    fp8: bool = False  # the blocks' Linears multiply in FP8 (fp8.py); the rest as `compute` says
 
     def autocast(self, device: torch.device):
         return torch.autocast(device.type, dtype=self.compute) if self.compute else nullcontext()
@@ -42,7 +45,22 @@ class Precision:
 
 PRECISIONS = {"fp32": Precision("fp32", None, torch.float32, False),
               "bf16": Precision("bf16", torch.bfloat16, torch.bfloat16, False),
-              "fp16": Precision("fp16", torch.float16, torch.float16, True)}
+              "fp16": Precision("fp16", torch.float16, torch.float16, True),
+              # FP8 as torchao and TransformerEngine train: bf16 autocast, the blocks' matmuls in fp8
+              "fp8": Precision("fp8", torch.bfloat16, torch.bfloat16, False, fp8=True),
+              # FP8 with fp32 elsewhere: no rounding but fp8's, so layouts reproduce one process (tests)
+              "fp8-fp32": Precision("fp8-fp32", None, torch.float32, False, fp8=True)}
+
+
+def describe(cfg, model_cfg=None) -> str:
+    """--precision as a run says it: fp8's recipe too (what a checkpoint must agree with) and, given the
+    model (a GPTConfig), the share of its FLOPs in fp8 (what the start-up line says)."""
+    if not PRECISIONS[cfg.precision].fp8:
+        return cfg.precision
+    recipe = f"delayed scaling, amax history {cfg.fp8_amax_history}" if cfg.fp8_recipe == "delayed" \
+        else "current scaling"
+    share = f"; {gpt.fp8_flop_share(model_cfg, cfg.seq_len):.0%} of the FLOPs in fp8" if model_cfg else ""
+    return f"{cfg.precision} ({recipe}{share})"
 
 
 def lr_at(step: int, cfg) -> float:

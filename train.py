@@ -51,6 +51,7 @@ from tqdm import tqdm
 import checkpoint
 import config
 import data
+import fp8
 import gradients
 import model as gpt
 import parallel
@@ -120,6 +121,7 @@ class Run:
     sync: gradients.GradSync | None = None  # data-parallel gradient averaging
     pipe: pipeline.Pipeline | None = None  # this rank's pipeline stage, when --pp > 1
     gather: zero.ParamGather | None = None  # ZeRO-3's weight gathering, when --zero 3
+    fp8: list = field(default_factory=list)  # --precision fp8: (name, fp8.Fp8LinearState) of the blocks' Linears
     metrics: rundir.Metrics | None = None  # --out/metrics.jsonl, once the loop has opened it
     step: int = 0
     saved_step: int = -1  # the step of the newest checkpoint this run has (written or loaded)
@@ -191,7 +193,7 @@ def setup(cfg: config.TrainConfig, arch: dict | None = None, init_values=None) -
     on = device.type if grid.world == 1 else \
         f"{grid.world} {device.type} processes (dp {grid.dp} x tp {grid.tp} x pp {grid.pp} x cp {grid.cp})"
     log(f"{model_cfg.n_layer}-layer model ({cfg.preset}, {n_params / 1e6:.1f}M parameters) on {on}: "
-        f"{cfg.precision}, attention {cfg.attn}, compile {'on' if cfg.compile else 'off'}, "
+        f"{stability.describe(cfg, model_cfg)}, attention {cfg.attn}, compile {'on' if cfg.compile else 'off'}, "
         f"{cfg.max_steps} steps of {cfg.batch_size} x {cfg.seq_len} tokens")
     if cfg.zero and grid.dp == 1:
         log(f"--zero {cfg.zero} shards nothing here: ZeRO splits state across the data-parallel ranks, and "
@@ -200,7 +202,7 @@ def setup(cfg: config.TrainConfig, arch: dict | None = None, init_values=None) -
         log(str(grid))
     data_sha256 = ", ".join(f"{s} {data.shard_sha256(prepared / f'{s}.bin')[:16]}" for s in ("train", "val"))
     return Run(cfg, device, precision, grid, tok, model_cfg, model, opt, scaler, loader, val, guard, saver, run_id,
-               data_sha256, log, lock=lock, sync=sync, pipe=stages, gather=gather)
+               data_sha256, log, lock=lock, sync=sync, pipe=stages, gather=gather, fp8=checkpoint.fp8_states(model))
 
 
 def build_model_and_optimizer(cfg: config.TrainConfig, grid: parallel.Grid, model_cfg: gpt.GPTConfig,
@@ -220,6 +222,8 @@ def build_model_and_optimizer(cfg: config.TrainConfig, grid: parallel.Grid, mode
         with torch.no_grad():
             for p in model.parameters():
                 p.copy_(value(p))
+    if stability.PRECISIONS[cfg.precision].fp8:
+        fp8.enable(model, grid, cfg.fp8_recipe, cfg.fp8_amax_history)
     if cfg.compile:
         compile_model(model, grid)
     sync = None
@@ -303,9 +307,11 @@ def train_step(run: Run) -> dict:
     run.opt.found_inf = (~(finite_loss & finite & ~spike)).float()  # 1: the optimizer leaves everything as is
     with run.grid.observer.span("O"):
         run.opt.step()
+    overflow = fp8.end_step(run.fp8, run.grid, cfg.fp8_recipe) if run.fp8 else None
     # the step's one read of the device, once the update is queued (on NCCL a bounded wait: a dead peer is exit 3)
     run.grid.wait_for_device()
-    loss, norm, finite_loss, finite, spike = torch.stack([loss, norm, finite_loss, finite, spike]).tolist()
+    read = [loss, norm, finite_loss, finite, spike] + ([overflow.float()] if overflow is not None else [])
+    loss, norm, finite_loss, finite, spike, *overflow = torch.stack(read).tolist()
     updated = finite_loss and finite and not spike
     if updated:
         run.guard.record(loss)
@@ -319,7 +325,8 @@ def train_step(run: Run) -> dict:
     # fp16 overflow is routine (the scaler backs off); anywhere else a non-finite step is bad
     bad = not finite_loss or (not finite and not run.scaler.enabled)
     return {"step": run.step + 1, "loss": loss, "lr": lr, "grad_norm": norm,
-            "skipped": not (finite_loss and finite), "bad": bad, "spike": bool(spike), "batch": batch_number}
+            "skipped": not (finite_loss and finite), "bad": bad, "spike": bool(spike), "batch": batch_number,
+            **({"fp8_overflow": int(overflow[0])} if overflow else {})}  # fp8: elements this rank's casts saturated
 
 
 def global_loss(grid: parallel.Grid, x: torch.Tensor) -> torch.Tensor:
@@ -379,7 +386,7 @@ def checkpoint_meta(run: Run) -> dict:
     cfg = run.cfg
     return {"model": run.model_cfg.architecture(), "tokenizer": run.tok.identity(), "data": cfg.data,
             "data_sha256": run.data_sha256, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len, "seed": cfg.seed,
-            "precision": cfg.precision, "config": asdict(cfg)}
+            "precision": stability.describe(cfg), "config": asdict(cfg)}
 
 
 # What names the data a checkpoint was trained on: a change is refused, or with --new-data logged.

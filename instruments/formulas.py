@@ -29,7 +29,7 @@ from zero import ZeroAdamW
 
 
 def expected_traffic(cfg: gpt.GPTConfig, grid: Grid, micro_batch: int, n_micro: int, seq_len: int,
-                     sync: GradSync | None, model: torch.nn.Module) -> dict:
+                     sync: GradSync | None, model: torch.nn.Module, fp8_recipe: str | None = None) -> dict:
     """Bytes this rank's collectives should move in one fp32 training step, by (op, group), from
     the formulas: Megatron's 2 all-reduces forward + 2 backward per layer of B*T*C activations
     (all-gather + reduce-scatter of the same volume under --sp), one activation send per
@@ -70,6 +70,9 @@ def expected_traffic(cfg: gpt.GPTConfig, grid: Grid, micro_batch: int, n_micro: 
         kv = layers * micro_batch * seq_len * cfg.kv_heads * cfg.head_dim * 4 // grid.tp  # K (or V) under GQA
         for k, v in context_traffic(grid, layers * btc // grid.tp, cfg.recompute, kv).items():
             e[k] += n_micro * v
+    if fp8_recipe:
+        for k, v in fp8_traffic(grid, layers, n_micro, cfg.recompute, fp8_recipe, first_fp8_step(model)).items():
+            e[k] += v
     if sync is not None and grid.dp_cp > 1:
         e.update(zero_traffic(sync, n_micro, next(model.parameters()).element_size()))
     for group in ("tp", "pp") + (("dp_cp",) if sync is not None and sync.zero else ()):
@@ -79,6 +82,28 @@ def expected_traffic(cfg: gpt.GPTConfig, grid: Grid, micro_batch: int, n_micro: 
         if grid.size(group) > 1:
             e[("all_reduce", group)] += 4  # the loss, for logging and the guards
     return {(op, grid.label(group)): v for (op, group), v in e.items()}
+
+
+def fp8_traffic(grid: Grid, layers: int, n_micro: int, recompute: str, recipe: str, first_step: bool) -> dict:
+    """--precision fp8's amax all-reduces (fp8.py), 4 bytes each. A cast of a tensor split over ranks takes
+    the max over them (current scaling; delayed scaling on its first step only). Per layer and micro-batch:
+    forward 6 over tp (column-parallel c_attn and c_fc: w; row-parallel c_proj twice: x and w) and 4 over cp
+    (every Linear's x); backward 2 over tp (the column-parallel layers' output gradients) and 4 over cp
+    (every output gradient); full recomputation casts the forward's again. Delayed scaling then ends every
+    step with one all-reduce of all 3 x 4 amaxes per layer over tp and one over dp x cp."""
+    e, again = defaultdict(int), 1 + (recompute == "full")
+    if recipe == "current" or first_step:
+        e[("all_reduce", "tp")] += 4 * n_micro * layers * (6 * again + 2) if grid.tp > 1 else 0
+        e[("all_reduce", "cp")] += 4 * n_micro * layers * (4 * again + 4) if grid.cp > 1 else 0
+    if recipe == "delayed":
+        for group in ("tp", "dp_cp"):
+            e[("all_reduce", group)] += 4 * 12 * layers if grid.size(group) > 1 else 0
+    return {k: v for k, v in e.items() if v}
+
+
+def first_fp8_step(model: torch.nn.Module) -> bool:
+    """Whether the step just taken was the first of the fp8 scalings (fp8.end_step has counted it)."""
+    return any(m.fp8.x.updates == 1 for m in model.modules() if getattr(m, "fp8", None) is not None)
 
 
 def context_traffic(grid: Grid, act: int, recompute: str, kv: int | None = None) -> dict:

@@ -70,16 +70,24 @@ BUCKET_BYTES = 25e6  # train.py's --bucket-mb: the last bucket is launched as th
 # ----------------------------------------------------------------------------- the hardware, measured against
 
 
-GPU_PEAKS = {"H200": (989e12, 67e12), "H100": (989e12, 67e12), "A100": (312e12, 19.5e12),
-             "L40S": (362e12, 91.6e12), "A10": (125e12, 31.2e12), "4090": (165e12, 82.6e12),
-             "3090": (71e12, 35.6e12), "V100": (125e12, 15.7e12), "T4": (65e12, 8.1e12)}
+# Dense datasheet peaks (no sparsity): 16-bit tensor cores, fp32, and fp8 tensor cores where the GPU has them
+GPU_PEAKS = {"H200": (989e12, 67e12, 1979e12), "H100": (989e12, 67e12, 1979e12), "B200": (2250e12, 80e12, 4500e12),
+             "A100": (312e12, 19.5e12, None), "L40S": (362e12, 91.6e12, None), "A10": (125e12, 31.2e12, None),
+             "4090": (165e12, 82.6e12, None), "3090": (71e12, 35.6e12, None), "V100": (125e12, 15.7e12, None),
+             "T4": (65e12, 8.1e12, None)}
 
 
-def peak_flops(device: torch.device, precision: str) -> float:
+def peak_flops(device: torch.device, precision: str, fp8_share: float = 0.0) -> float:
     """Peak dense FLOP/s, the denominator of MFU: the datasheet's for a GPU in the precision the matmuls
-    really run in; a measured fp32 matmul rate on CPU."""
+    really run in; a measured fp32 matmul rate on CPU. Under fp8 a share of the FLOPs runs at the fp8 peak
+    and the rest at the 16-bit one, so the peak is the rate that does both in the least time:
+    1 / (share / fp8 peak + (1 - share) / 16-bit peak)."""
     if device.type == "cuda":
-        half, single = GPU_PEAKS[_peak_row(device) or "A100"]
+        half, single, eight = GPU_PEAKS[_peak_row(device) or "A100"]
+        if precision == "fp8-fp32":
+            half = half / 2 if torch.get_float32_matmul_precision() != "highest" else single
+        if precision in ("fp8", "fp8-fp32") and eight:
+            return 1 / (fp8_share / eight + (1 - fp8_share) / half)
         if precision != "fp32":
             return half
         return half / 2 if torch.get_float32_matmul_precision() != "highest" else single  # TF32, or not

@@ -94,7 +94,8 @@ class MFU(Observer):
 
     def __init__(self, run):
         self.flops_per_token = gpt.flops_per_token(run.model_cfg, run.cfg.seq_len)
-        self.peak = planner.peak_flops(run.device, run.cfg.precision) * run.grid.world
+        share = gpt.fp8_flop_share(run.model_cfg, run.cfg.seq_len) if run.precision.fp8 else 0.0
+        self.peak = planner.peak_flops(run.device, run.cfg.precision, share) * run.grid.world
         if note := planner.unknown_gpu(run.device):
             run.log(note)
 
@@ -155,11 +156,11 @@ def first_step_reports(run, memory: dict | None, gradient_events: list, gather_e
     if cfg.comm_report:
         expected = formulas.expected_traffic(run.model_cfg, grid, cfg.micro_batch_size,
                                              cfg.batch_size // grid.dp // cfg.micro_batch_size, cfg.seq_len,
-                                             run.sync, run.model)
+                                             run.sync, run.model, cfg.fp8_recipe if run.precision.fp8 else None)
         text = comm_report(grid, expected)
         matches = traffic_matches(grid, expected)
         out.append(text + f"\nformula matches measurement on every rank: {'yes' if matches else 'NO'}"
-                   + ("" if cfg.precision == "fp32" else " (the formula assumes fp32 activations)"))
+                   + ("" if run.precision.compute is None else " (the formula assumes fp32 activations)"))
         if run.sync is not None:
             out.append(overlap_report(run.sync, gradient_events))
         if run.gather is not None:

@@ -31,7 +31,7 @@ import model as gpt  # noqa: E402
 
 def linears(preset: str) -> list[tuple[str, int, int]]:
     """(name, in features K, out features N) of one block's Linears."""
-    e = gpt.PRESETS[preset][2]
+    e = gpt.PRESETS[preset]["n_embd"]
     return [("attn.c_attn", e, 3 * e), ("attn.c_proj", e, e), ("mlp.c_fc", e, 4 * e), ("mlp.c_proj", 4 * e, e)]
 
 

@@ -358,9 +358,15 @@ def test_mfu_denominator_is_the_rate_the_matmuls_run_at(monkeypatch):
     monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")
     assert planner.peak_flops(cuda, "fp32") == 989e12 / 2
     assert planner.unknown_gpu(cuda) is None and planner.unknown_gpu(torch.device("cpu")) is None
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA B200")  # not in the table:
+    # fp8: its share of the FLOPs at the fp8 peak (twice the 16-bit one), the rest at the 16-bit peak
+    assert planner.peak_flops(cuda, "fp8", 0.0) == 989e12
+    assert planner.peak_flops(cuda, "fp8", 1.0) == pytest.approx(1979e12)
+    assert planner.peak_flops(cuda, "fp8", 0.8) == pytest.approx(1 / (0.8 / 1979e12 + 0.2 / 989e12))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA B200")
+    assert planner.peak_flops(cuda, "fp8", 1.0) == pytest.approx(4500e12)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA RTX PRO 6000")  # not in the table:
     assert planner.peak_flops(cuda, "bf16") == 312e12  # an A100's peak stands in, and train.py says so
-    assert planner.unknown_gpu(cuda).startswith("note: NVIDIA B200 is not in planner.GPU_PEAKS")
+    assert planner.unknown_gpu(cuda).startswith("note: NVIDIA RTX PRO 6000 is not in planner.GPU_PEAKS")
 
 
 @pytest.mark.parametrize("attn,dropout", [("math", 0.0), ("sdpa", 0.0), ("sdpa", 0.1)])
