@@ -94,7 +94,7 @@ def collect(rows: list[dict]) -> dict:
     layers = sorted((r for r in rows if r.get("event") == "layers"), key=lambda r: r["step"])
     names = list(layers[-1]["grad_norm"]) if layers else []
     per_layer = {"names": names, "step": [r["step"] for r in layers]}
-    for stat in ("grad_norm", "update_ratio", "act_rms"):
+    for stat in ("grad_norm", "update_ratio", "act_rms", "fp8_x_amax", "fp8_g_amax"):
         per_layer[stat] = {n: [number(r.get(stat, {}).get(n)) for r in layers] for n in names}
     events = {"spike": [], "checkpoint": [], "resume": []}
     for r in rows:

@@ -20,6 +20,12 @@ per layer say *where*:
 Layers are `embed` (wte, wpe; the tied output layer is wte), `h.0` ... `h.{L-1}` (the blocks) and
 `ln_f`.
 
+Under --precision fp8, two more per block: `fp8_x_amax[l]` and `fp8_g_amax[l]`, the largest |x| its Linears
+cast to e4m3 and the largest output gradient they cast to e5m2 in the step (the max over its four Linears
+and over the ranks: a second all-reduce, a MAX). Each tensor's scale is the format's max over its amax
+(fp8.py), so this is the chart of the scales too: one falling by orders of magnitude is where e5m2 runs
+out of room below, one jumping is where delayed scaling saturates for a step.
+
 Full-model values, whatever the layout. Every number is the one a single process would compute on
 the same step (tests/test_stats.py holds tp x pp and ZeRO runs to that):
 
@@ -164,7 +170,22 @@ class LayerStats(Observer):
         if updated:
             row["update_ratio"] = {name: (d / w) ** 0.5 for name, d, w in zip(self.layers, delta, weight) if w > 0}
         row["act_rms"] = {name: (s / n) ** 0.5 for name, s, n in zip(self.layers, act_sq, act_n) if n > 0}
-        self.row = row
+        self.row = row | self.fp8_amax()
+
+    def fp8_amax(self) -> dict:
+        """Per block, the step's largest x and output gradient its fp8 Linears cast (empty without fp8)."""
+        states = [(name, m.fp8) for name, m in self.model.named_modules() if getattr(m, "fp8", None) is not None]
+        if not states:
+            return {}
+        amax = torch.zeros(2, len(self.layers), device=self.grid.device)
+        for name, state in states:  # amax_history[0]: the step fp8.end_step has just rolled in
+            i = self.layers.index(layer_of(name + ".weight"))
+            amax[0, i] = torch.maximum(amax[0, i], state.x.amax_history[0])
+            amax[1, i] = torch.maximum(amax[1, i], state.g.amax_history[0])
+        self.grid.all_reduce(amax, "world", op=torch.distributed.ReduceOp.MAX)
+        x, g = amax.tolist()
+        return {"fp8_x_amax": {n: v for n, v in zip(self.layers, x) if n.startswith("h.")},
+                "fp8_g_amax": {n: v for n, v in zip(self.layers, g) if n.startswith("h.")}}
 
     def pop_row(self) -> dict | None:
         row, self.row = self.row, None

@@ -5,6 +5,8 @@
     python tests/bench.py --device cuda     # GPU: GPT-2 124M, bf16, compiled, 32 x 1024 tokens, micro-batch 16
     python tests/bench.py --versus llama-mini   # and a third configuration: another preset (here the Llama
                                                 # family at GPT-2 mini's size), its tokens/s over ours
+    python tests/bench.py --precision fp8       # and the same model without fp8 (bf16), in the same rounds:
+                                                # on a GPU fp8's speed-up, on a CPU the price of its casts
 
 Two configurations are timed in alternating rounds, so both see the same machine at the same time:
 
@@ -35,12 +37,14 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import config  # noqa: E402
+import fp8  # noqa: E402
 import model as gpt  # noqa: E402
 import parallel  # noqa: E402
 import stability  # noqa: E402
 import train  # noqa: E402
 from instruments import planner, reports  # noqa: E402
 
+WITHOUT_FP8 = {"fp8": "bf16", "fp8-fp32": "fp32"}  # --precision fp8's baseline: the same run without fp8
 GPU_DEFAULTS = dict(preset="gpt2", batch_size=32, seq_len=1024, micro_batch_size=16, precision="bf16", compile=True)
 CPU_DEFAULTS = dict(preset="mini", batch_size=8, seq_len=128, micro_batch_size=8, precision="fp32", compile=False)
 
@@ -55,15 +59,18 @@ class UnfusedCrossEntropy(torch.nn.Module):
 class Bench:
     """One configuration: its model, optimizer and a fixed batch of random tokens."""
 
-    def __init__(self, args, device: torch.device, fused: bool, preset: str | None = None):
+    def __init__(self, args, device: torch.device, fused: bool, preset: str | None = None,
+                 precision: str | None = None):
         cfg = gpt.config_from_preset(preset or args.preset, 50257, attn=args.attn)
-        self.cfg, self.device, self.precision = cfg, device, stability.PRECISIONS[args.precision]
+        self.cfg, self.device, self.precision = cfg, device, stability.PRECISIONS[precision or args.precision]
         self.model = gpt.build(cfg, seed=0, device=device)
         if not fused:
             self.model.loss = UnfusedCrossEntropy()
+        if self.precision.fp8:  # the blocks' Linears in fp8, current scaling (train.py's default)
+            fp8.enable(self.model, parallel.Grid(device=device))
         if args.compile:
             train.compile_model(self.model, parallel.Grid(device=device))
-        tc = config.TrainConfig(lr=1e-4, precision=args.precision)
+        tc = config.TrainConfig(lr=1e-4, precision=self.precision.name)
         self.opt = train.make_optimizer(self.model, tc)
         gen = torch.Generator().manual_seed(0)
         batch = torch.randint(0, 50257, (args.batch_size, args.seq_len + 1), generator=gen).to(device)
@@ -151,10 +158,16 @@ def main() -> None:
     device = torch.device(args.device)
     head_dim = gpt.config_from_preset(args.preset, 50257).head_dim  # 'auto' resolved as train.py does it
     args.attn = config.resolve_attention(config.TrainConfig(attn=args.attn, precision=args.precision), device, head_dim)
+    if args.precision in WITHOUT_FP8 and args.compile:
+        print("--precision fp8 runs eager (train.py refuses --compile with it): compile off for every configuration")
+        args.compile = False
     benches = {"ours": Bench(args, device, fused=True), "unfused loss": Bench(args, device, fused=False)}
     if args.versus:
         benches[args.versus] = Bench(args, device, fused=True, preset=args.versus)
-    peaks = [planner.peak_flops(device, args.precision)]  # on a CPU measured between the rounds too: the best
+    if args.precision in WITHOUT_FP8:  # the same model with its Linears in 16 (or 32) bits: fp8's speed-up, or cost
+        benches[WITHOUT_FP8[args.precision]] = Bench(args, device, fused=True, precision=WITHOUT_FP8[args.precision])
+    args.fp8_share = gpt.fp8_flop_share(benches["ours"].cfg, args.seq_len) if args.precision in WITHOUT_FP8 else 0.0
+    peaks = [planner.peak_flops(device, args.precision, args.fp8_share)]  # on a CPU measured between rounds too
     rates = {name: [] for name in benches}
     for b in benches.values():
         for _ in range(3):  # warm-up: compilation, allocations (the first 2 MB pages are slow), first calls
@@ -162,7 +175,7 @@ def main() -> None:
     for _ in range(args.rounds):
         for name, b in benches.items():
             rates[name].append(b.tokens_per_second(args.steps))
-        peaks.append(planner.peak_flops(device, args.precision))
+        peaks.append(planner.peak_flops(device, args.precision, args.fp8_share))
     print(report(args, device, benches, rates, max(peaks)))
 
 
@@ -182,7 +195,10 @@ def report(args, device, benches, rates, peak) -> str:
         ms = {k: v / args.steps * 1e3 for k, v in b.phases.items()}
         summary[name] = tps, mem
         flops_per_token = gpt.flops_per_token(b.cfg, args.seq_len)
-        lines.append(f"{name:<15}{tps:>10,.0f}{tps * flops_per_token / 1e12:>9.3f}{tps * flops_per_token / peak:>12.1%}"
+        own_peak = peak * planner.peak_flops(device, b.precision.name, args.fp8_share if b.precision.fp8 else 0.0) \
+            / planner.peak_flops(device, args.precision, args.fp8_share) if device.type == "cuda" else peak
+        flops = tps * flops_per_token
+        lines.append(f"{name:<15}{tps:>10,.0f}{flops / 1e12:>9.3f}{flops / own_peak:>12.1%}"
                      f"{mem / 2**20:>9,.0f}{ms['forward']:>8.1f}{ms['backward']:>8.1f}{ms['optimizer']:>8.1f}")
     (ours, ours_mem), (base, base_mem) = summary["ours"], summary["unfused loss"]
     lines.append(f"ours / unfused loss: {ours / base:.2f}x tokens/s, {ours_mem / base_mem:.2f}x peak memory of a step")
@@ -190,6 +206,12 @@ def report(args, device, benches, rates, peak) -> str:
         params = gpt.n_params(benches[args.versus].cfg) / gpt.n_params(benches["ours"].cfg)
         lines.append(f"{args.versus} / {args.preset}: {summary[args.versus][0] / ours:.2f}x tokens/s at {params:.3f}x "
                      "the parameters")
+    if args.precision in WITHOUT_FP8:
+        base, base_mem = summary[WITHOUT_FP8[args.precision]]
+        lines.append(f"ours ({args.precision}) / {WITHOUT_FP8[args.precision]}: {ours / base:.2f}x tokens/s, "
+                     f"{ours_mem / base_mem:.2f}x peak memory of a step; {args.fp8_share:.0%} of the FLOPs in fp8"
+                     + (" (a CPU: _scaled_mm dequantizes and multiplies in fp32, so this is the casts' cost)"
+                        if device.type == "cpu" else ""))
     loss = loss_layer_memory(args, device)
     lines.append(f"loss layer alone, forward + backward of one micro-batch: fused {loss['fused'] / 2**20:,.0f} MB, "
                  f"unfused {loss['unfused'] / 2**20:,.0f} MB ({loss['unfused'] / loss['fused']:.1f}x less)")

@@ -328,7 +328,7 @@ FP8_LAYOUTS = {"dp2-zero3": (2, ["--zero", "3", "--comm-report"]),
 def fp8_reference(corpus, tmp_path_factory):
     out = tmp_path_factory.mktemp("fp8-single")
     result = run_train(corpus, out, *FP8)
-    return result, metrics(out), final_weights(out)
+    return result, metrics(out), final_weights(out), out
 
 
 def test_fp8_trains_and_says_its_share_of_the_flops(fp8_reference, corpus, tmp_path):
@@ -336,11 +336,17 @@ def test_fp8_trains_and_says_its_share_of_the_flops(fp8_reference, corpus, tmp_p
     Linears: model.fp8_flop_share), every step reports its saturated elements, and the losses follow fp32's
     closely (within 5%: e4m3 rounds by up to 6.25%, e5m2 by 12.5%) without being fp32's."""
     import model as gpt
-    result, rows, _ = fp8_reference
+    from support import rundir
+    result, rows, _, out = fp8_reference
     share = gpt.fp8_flop_share(gpt.config_from_preset("tiny", 259), 32)
     assert f"fp8-fp32 (delayed scaling, amax history 2; {share:.0%} of the FLOPs in fp8)" in result.stdout
     assert 0.5 < share < 1
     assert all(r["fp8_overflow"] >= 0 for r in rows) and len(rows) == 4
+    from instruments import dashboard
+    layers = dashboard.collect(rundir.Metrics(out / "metrics.jsonl", enabled=False, resume_step=0).rows())["layers"]
+    for stat in ("fp8_x_amax", "fp8_g_amax"):  # the dashboard's per-block charts of what the scales came from
+        assert [n for n, v in layers[stat].items() if v and v[0]] == ["h.0", "h.1", "h.2", "h.3"], stat
+    assert all(0 < layers["fp8_g_amax"][n][0] < layers["fp8_x_amax"][n][0] for n in ("h.0", "h.3"))
     run_train(corpus, tmp_path / "fp32", *FP8[6:])  # the same run in fp32
     fp32 = metrics(tmp_path / "fp32")
     assert all(abs(a["loss"] - b["loss"]) < 0.05 * b["loss"] for a, b in zip(rows, fp32, strict=True))
@@ -353,7 +359,7 @@ def test_data_and_pipeline_layouts_in_fp8_reproduce_one_process(layout, fp8_refe
     (each cast recorded once): every matmul multiplies what one process's does, in the same order, so the
     same losses, gradient norms and weights as one process, to test_parallel's fp32 tolerances; and the amax
     all-reduces (delayed scaling's, over dp) moved what formulas.fp8_traffic says."""
-    _, ref_rows, ref_weights = fp8_reference
+    _, ref_rows, ref_weights, _ = fp8_reference
     nproc, flags = FP8_LAYOUTS[layout]
     result = run_train(corpus, tmp_path / layout, *FP8, *flags, nproc=nproc)
     rows = metrics(tmp_path / layout)
@@ -401,7 +407,7 @@ def test_a_killed_fp8_run_resumes_bitwise_with_its_scales(fp8_reference, corpus,
     (which holds every Linear's history and scale), the run gives the uninterrupted run's losses and
     weights bit for bit. Without the scales in the checkpoint the resumed steps would start from an empty
     history (current scaling) and differ."""
-    _, ref_rows, ref_weights = fp8_reference
+    _, ref_rows, ref_weights, _ = fp8_reference
     flags = [*FP8[:-2], "--ckpt-every", "2"]
     killed = run_train(corpus, tmp_path / "run", *flags, "--crash-at", "step:3", check=False)
     assert killed.returncode != 0
