@@ -58,10 +58,14 @@ outlier then costs only its own row or block's precision instead of the whole te
 becomes a vector; `_scaled_mm` takes scale_a (M, 1) and scale_b (1, N) for rows, and blocked
 shapes for the rest; under tensor parallelism only rows split along K would need the reduction.
 
-Every layout quantizes identically: the scale is a function of the amax, and the amax of a tensor
-split over ranks must be the GLOBAL one, so each role takes a `reduce_max(t)` (the integration gives
-an all-reduce MAX through parallel.Grid, counted). With it an element gets the same fp8 bits on one
-rank as on eight.
+Every layout quantizes alike: the scale is a function of the amax, and the amax of a tensor split over
+ranks must be the GLOBAL one, so each role takes a `reduce_max(t)` (`enable` gives an all-reduce MAX
+through parallel.Grid, counted). With it an element gets the same fp8 bits on one rank as on eight,
+given the same value. Data and pipeline parallelism and ZeRO give every matmul the same values as one
+process (a data-parallel rank's micro-batch is one of its micro-steps), so they reproduce it to fp32's
+tolerance. Tensor and context parallelism add partial sums in another order: a value that lands within
+fp32 rounding of an fp8 rounding boundary may round the other way, off by up to one fp8 ulp, so those
+layouts agree to about 1e-5 over a step rather than 1e-7 (tests/test_fp8.py states and checks both).
 
 Memory: X is saved for the backward in fp8 (1 byte, not 2 or 4). W is saved as it was given (under
 ZeRO-3, a view of the unit's gathered buffer, which the backward gathers again) and quantized again
