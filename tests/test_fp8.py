@@ -431,6 +431,16 @@ def test_fp8_flags_are_refused_in_one_line_where_they_cannot_work():
     config.check_fp8(config.TrainConfig(precision="fp8-fp32", fp8_recipe="delayed"))  # fine
 
 
+def test_fp8_is_refused_in_one_line_where_scaled_mm_cannot_run(monkeypatch):
+    """A device where torch._scaled_mm refuses float8 (an A100, an old torch): --precision fp8 is one line that
+    says why, from config's checks before any process talks (fp8_supported's answer, whatever it is)."""
+    import config
+    monkeypatch.setattr(config, "fp8_supported", lambda device: "fp8 needs torch._scaled_mm ... : sm_80 is too old")
+    with pytest.raises(config.ConfigError, match=r"^--precision fp8: fp8 needs torch._scaled_mm .*sm_80 is too old$"):
+        config.check_fp8(config.TrainConfig(precision="fp8"), torch.device("cpu"))
+    config.check_fp8(config.TrainConfig(precision="bf16"), torch.device("cpu"))  # asks only for fp8
+
+
 def test_300_mini_steps_in_fp8_follow_bf16(corpus, tmp_path):
     """`mini` for 300 steps (4 x 16 tokens a step, to fit the suite) in fp8 and in bf16, the two runs side by
     side: fp8's mean loss over each 100 steps stays within 4% of bf16's. Why 4%: e4m3 rounds each input and
