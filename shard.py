@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 import context
 import model as gpt
+import moe
 from lmhead import lm_head_loss
 from parallel import GRIDS, Grid, LayoutError
 
@@ -321,6 +322,18 @@ def check_layout(cfg: gpt.GPTConfig, grid: Grid, seq_len: int) -> None:
                           f"divisible by --cp {grid.cp}; use --cp-attn ring")
 
 
+def apply_expert_parallel(model: gpt.GPT, grid: Grid) -> None:
+    """Each MoE layer keeps E / ep of its experts, this rank's run of them along the experts' dim 0 (tagged
+    `expert`: their gradients meet over `edp`, gradients.py), and sends tokens to the others (moe.py)."""
+    for layer in model.modules():
+        if isinstance(layer, moe.MoE):
+            for stacked in (layer.experts.c_fc, layer.experts.c_proj):
+                for name, p in list(stacked.named_parameters(recurse=False)):
+                    spec = {"dim": 0, "index": grid.ep_rank, "count": grid.ep, "groups": 1}
+                    setattr(stacked, name, meta_param(p.size(0) // grid.ep, *p.shape[1:], spec=spec, expert=True))
+            layer.exchange = moe.ExpertParallel(grid)
+
+
 def stage_layers(n_layer: int, pp: int, stage: int) -> range:
     """Blocks of a pipeline stage: as even as possible, the remainder to the later stages
     (the first stage also runs the embedding, the last the loss)."""
@@ -375,6 +388,8 @@ def build_model(cfg: gpt.GPTConfig, grid: Grid, seed: int, device: torch.device,
         context.apply_context_parallel(model, grid)
     if grid.pp > 1:
         keep_stage(model, grid)
+    if grid.ep > 1:
+        apply_expert_parallel(model, grid)
     specs = {name: getattr(p, "shard", None) for name, p in model.named_parameters(remove_duplicate=False)}
     return gpt.materialize(model, seed, device, shard_fn=lambda name, full: take_shard(full, specs[name]),
                            values=values)

@@ -53,6 +53,7 @@ import config
 import data
 import gradients
 import model as gpt
+import moe
 import parallel
 import pipeline
 import shard
@@ -126,6 +127,7 @@ class Run:
     skip_batches: list = field(default_factory=list)  # global batch numbers the spike guard skips
     batches_drawn: int = 0
     spikes: list = field(default_factory=list)  # (step, batch) of rollbacks since the run last got past one
+    router: torch.Tensor | None = None  # MoE: this step's (aux, z) router losses on this rank (moe.py)
 
     @property
     def autocast(self):
@@ -156,7 +158,8 @@ def setup(cfg: config.TrainConfig, arch: dict | None = None, init_values=None) -
     out = Path(cfg.out)
     # Every check that needs only the flags and the world size, before any process talks to another and
     # before any data: a wrong layout fails in a second on every rank alike (main prints it once).
-    grid = parallel.layout(cfg.tp, cfg.pp, device, sp=cfg.sp, cp=cfg.cp, cp_attn=cfg.cp_attn, vp=cfg.virtual_stages)
+    grid = parallel.layout(cfg.tp, cfg.pp, device, sp=cfg.sp, cp=cfg.cp, cp_attn=cfg.cp_attn, vp=cfg.virtual_stages,
+                           ep=cfg.ep)
     device, log = grid.device, cli.printer(grid.is_logger)
     per_rank = config.check_batch(cfg, grid)
     model_cfg = config.model_config(cfg, arch)
@@ -189,7 +192,8 @@ def setup(cfg: config.TrainConfig, arch: dict | None = None, init_values=None) -
                              timeout_s=cfg.timeout)
     n_params = gpt.n_params(model_cfg)  # all ranks' shards together, the tied wte/lm_head once
     on = device.type if grid.world == 1 else \
-        f"{grid.world} {device.type} processes (dp {grid.dp} x tp {grid.tp} x pp {grid.pp} x cp {grid.cp})"
+        f"{grid.world} {device.type} processes (dp {grid.dp} x tp {grid.tp} x pp {grid.pp} x cp {grid.cp}" \
+        + (f", experts over ep {grid.ep}" if grid.ep > 1 else "") + ")"
     log(f"{model_cfg.n_layer}-layer model ({cfg.preset}, {n_params / 1e6:.1f}M parameters) on {on}: "
         f"{cfg.precision}, attention {cfg.attn}, compile {'on' if cfg.compile else 'off'}, "
         f"{cfg.max_steps} steps of {cfg.batch_size} x {cfg.seq_len} tokens")
@@ -272,10 +276,23 @@ def accumulate(run: Run, micro: list[torch.Tensor], train: bool, scale: float = 
         with run.grid.observer.span("F"), run.autocast:
             _, loss = run.model(mb[:, :-1], mb[:, 1:])
         if train:
+            objective = with_router_losses(run, loss, i == 0, len(micro))
             with run.grid.observer.span("B"):
-                (loss * (scale / len(micro))).backward()
+                (objective * (scale / len(micro))).backward()
         total += loss.detach().float() / len(micro)
     return total
+
+
+def with_router_losses(run: Run, loss: torch.Tensor, first: bool, n_micro: int) -> torch.Tensor:
+    """What a micro-batch back-propagates: the language-model loss, plus with experts --moe-aux-loss x aux +
+    --moe-z-loss x z (moe.py), whose means over the step's micro-batches gather in `run.router`."""
+    losses = moe.router_losses(run.model)
+    if losses is None:
+        return loss
+    aux, z = losses
+    router = torch.stack([aux, z]).detach().float() / n_micro
+    run.router = router if first else run.router + router
+    return loss + run.cfg.moe_aux_loss * aux + run.cfg.moe_z_loss * z
 
 
 def train_step(run: Run) -> dict:
@@ -289,7 +306,9 @@ def train_step(run: Run) -> dict:
     batch_number, batch = next_batch(run)
     local_loss = forward_backward(run, batch)
     gradients.finish_grads(run.model, run.grid, run.sync)
-    loss = global_loss(run.grid, local_loss)  # after the gradients: nothing delays their buckets
+    # after the gradients: nothing delays their buckets. With experts the router losses ride along (one call)
+    losses = global_loss(run.grid, local_loss if run.router is None else torch.cat([local_loss[None], run.router]))
+    loss, router = (losses, losses.new_zeros(0)) if run.router is None else (losses[0], losses[1:])
     grads = gradients.local_grads(run.model, run.sync)
     run.scaler.unscale_(grads)
     norm = gradients.grad_norm(run.model, run.grid, run.sync)
@@ -305,7 +324,8 @@ def train_step(run: Run) -> dict:
         run.opt.step()
     # the step's one read of the device, once the update is queued (on NCCL a bounded wait: a dead peer is exit 3)
     run.grid.wait_for_device()
-    loss, norm, finite_loss, finite, spike = torch.stack([loss, norm, finite_loss, finite, spike]).tolist()
+    numbers = torch.cat([torch.stack([loss, norm, finite_loss, finite, spike]), router])
+    loss, norm, finite_loss, finite, spike, *router = numbers.tolist()
     updated = finite_loss and finite and not spike
     if updated:
         run.guard.record(loss)
@@ -319,13 +339,15 @@ def train_step(run: Run) -> dict:
     # fp16 overflow is routine (the scaler backs off); anywhere else a non-finite step is bad
     bad = not finite_loss or (not finite and not run.scaler.enabled)
     return {"step": run.step + 1, "loss": loss, "lr": lr, "grad_norm": norm,
-            "skipped": not (finite_loss and finite), "bad": bad, "spike": bool(spike), "batch": batch_number}
+            "skipped": not (finite_loss and finite), "bad": bad, "spike": bool(spike), "batch": batch_number,
+            **({"moe_aux": router[0], "moe_z": router[1]} if router else {})}
 
 
 def global_loss(grid: parallel.Grid, x: torch.Tensor) -> torch.Tensor:
     """The batch loss on every rank: it lives on the last pipeline stage (the others hold 0, so a sum
     over the pipeline group copies it), and is averaged over data-parallel ranks and over context-parallel
-    ones (each holds the mean over its slice of the tokens; the slices are equal)."""
+    ones (each holds the mean over its slice of the tokens; the slices are equal). x: the loss, or with
+    experts (loss, aux, z)."""
     x = x.detach().float().clone()
     grid.all_reduce(x, "pp")
     grid.all_reduce(x, "dp_cp")
@@ -489,6 +511,7 @@ def after_step(run: Run, row: dict, bar) -> None:
     run.grid.observer.step_written(row)
     bar.update(1)
     bar.set_postfix(loss=f"{row['loss']:.3f}", lr=f"{row['lr']:.1e}", tok_s=f"{row['tokens_per_sec']:.0f}",
+                    **({"aux": f"{row['moe_aux']:.3f}", "z": f"{row['moe_z']:.2f}"} if "moe_aux" in row else {}),
                     **({"mfu": f"{row['mfu']:.1%}"} if "mfu" in row else {}),
                     **({"mem": f"{row['peak_mem_gb']:.1f}G"} if "peak_mem_gb" in row else {}))
     if run.step == cfg.max_steps:  # the last one is always written

@@ -20,6 +20,7 @@ import torch
 
 import gradients
 import model as gpt
+import moe
 from gradients import GradSync
 from parallel import Grid
 from shard import rank_layers
@@ -72,13 +73,26 @@ def expected_traffic(cfg: gpt.GPTConfig, grid: Grid, micro_batch: int, n_micro: 
             e[k] += n_micro * v
     if sync is not None and grid.dp_cp > 1:
         e.update(zero_traffic(sync, n_micro, next(model.parameters()).element_size()))
-    for group in ("tp", "pp") + (("dp_cp",) if sync is not None and sync.zero else ()):
+    if grid.ep > 1:
+        e.update(expert_traffic(cfg, model, n_micro))
+    norm_groups = ("tp", "pp") + (("dp_cp",) if sync is not None and sync.zero else ()) + ("ep",)
+    for group in norm_groups:
         if grid.size(group) > 1:
-            e[("all_reduce", group)] += 4  # the squared gradient norm
+            e[("all_reduce", group)] += 4  # the squared gradient norm (ep: of the experts)
     for group in ("pp", "dp_cp"):
-        if grid.size(group) > 1:
-            e[("all_reduce", group)] += 4  # the loss, for logging and the guards
+        if grid.size(group) > 1:  # the loss (with experts: and aux, z), for logging and the guards
+            e[("all_reduce", group)] += 12 if cfg.moe_experts else 4
     return {(op, grid.label(group)): v for (op, group), v in e.items()}
+
+
+def expert_traffic(cfg: gpt.GPTConfig, model: torch.nn.Module, n_micro: int) -> dict:
+    """Bytes of expert parallelism's all-to-alls on this rank in one fp32 step (moe.py's docstring): per MoE
+    layer, the rows of this rank's kept assignments (b T k a micro-batch without dropping) dispatched and
+    combined forward and the same two backward, 4 x rows x C x 4 bytes, and one exchange of E int64 counts
+    a micro-batch. The expert weights' gradients are summed over edp like any bucket (zero_traffic)."""
+    layers = [m for m in model.modules() if isinstance(m, moe.MoE)]
+    rows = sum(m.rows_sent for m in layers)
+    return {("all_to_all", "ep"): 4 * rows * cfg.n_embd * 4 + n_micro * len(layers) * cfg.moe_experts * 8}
 
 
 def context_traffic(grid: Grid, act: int, recompute: str, kv: int | None = None) -> dict:
@@ -105,7 +119,10 @@ def zero_traffic(sync: GradSync, n_micro: int, weight_bytes: int) -> dict:
         3  reduce-scatter 4Ψ, and all-gather the weights twice (forward, backward), every micro-batch:
            with one micro-batch and 4-byte weights 12Ψ against stage 0's 8Ψ, ZeRO's 1.5x"""
     if not sync.zero:
-        return {("all_reduce", "dp_cp"): 4 * sum(b.numel for b in sync.buckets)}
+        out = defaultdict(int)
+        for b in sync.buckets:  # expert parallelism's expert buckets: over edp
+            out[("all_reduce", b.group)] += 4 * b.numel
+        return {k: v for k, v in out.items() if sync.grid.size(k[1]) > 1}
     padded = sum(b.padded for b in sync.buckets)
     reduces = 1 if sync.zero == 1 else n_micro
     gathers = 2 * n_micro if sync.zero == 3 else 1

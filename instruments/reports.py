@@ -211,7 +211,7 @@ def memory_report(run, memory: dict) -> str:
                                               grid.sp, cfg.recompute, cfg.attn, elem, 1 if cuda else elem,
                                               4 if cuda else residual, fused_norm=cuda)
     formula, acts = formulas.state_formula(run.model, run.opt, run.sync, grid), memory["activations"]
-    cp = f"cp {grid.cp_rank}, " if grid.cp > 1 else ""
+    cp = (f"cp {grid.cp_rank}, " if grid.cp > 1 else "") + (f"ep {grid.ep_rank}, " if grid.ep > 1 else "")
     n = f"N = dp x cp = {grid.dp_cp}" if grid.cp > 1 else f"N = dp = {grid.dp}"
     lines = [f"memory on rank {grid.rank} (dp {grid.dp_rank}, {cp}tp {grid.tp_rank}, pp {grid.pp_rank}), "
              f"ZeRO stage {cfg.zero}, {n}:",
@@ -235,7 +235,7 @@ def memory_report(run, memory: dict) -> str:
 def comm_report(grid: Grid, expected: dict) -> str:
     """Measured bytes per (collective, group) next to the formula, and what a ring algorithm puts
     on each rank's link: 2(n-1)/n of the buffer for an all-reduce, (n-1)/n for the others."""
-    cp = f"cp {grid.cp_rank}, " if grid.cp > 1 else ""
+    cp = (f"cp {grid.cp_rank}, " if grid.cp > 1 else "") + (f"ep {grid.ep_rank}, " if grid.ep > 1 else "")
     lines = [f"communication of one training step on rank {grid.rank} (dp {grid.dp_rank}, {cp}tp {grid.tp_rank}, "
              f"pp {grid.pp_rank}):",
              f"  {'collective':<15}{'group':<7}{'calls':>6}{'measured bytes':>16}{'formula':>14}  "
