@@ -3,7 +3,8 @@
     tokens (B, T) ─▶ wte + wpe ─▶ [ Block ] × n_layer ─▶ ln_f ─▶ lm_head (= wte^T) ─▶ logits (B, T, V)
 
     Block:  x = x + attn(ln_1(x))        pre-LayerNorm, eps 1e-5
-            x = x + mlp(ln_2(x))         mlp = c_proj(gelu_tanh(c_fc(x))), 4x wide
+            x = x + mlp(ln_2(x))         mlp = c_proj(gelu_tanh(c_fc(x))), 4x wide; or E routed experts
+                                         of that MLP in every moe_every-th block (moe.py)
 
 This is the model of Radford et al. 2019 ("Language Models are Unsupervised Multitask
 Learners") with the parameter names of the released checkpoints, so Hugging Face GPT-2

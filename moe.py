@@ -131,8 +131,8 @@ class Experts(nn.Module):
 
 class MoE(nn.Module):
     """A block's MLP as routed experts. After each forward it keeps what the router decided, for the
-    loss and the reports: `aux`, `z` (scalars), `load` (assignments per expert) and `dropped` (assignments
-    over capacity). `exchange` is expert parallelism's seam: None on one rank; an ExpertParallel (which
+    loss and the reports: `aux`, `z` (scalars), `load` (assignments per expert) and `dropped` (the fraction
+    of assignments over capacity). `exchange` is expert parallelism's seam: None on one rank; an ExpertParallel (which
     shard.py sets) sends the rows to the ranks of their experts and back."""
 
     def __init__(self, n_embd: int, hidden: int, swiglu: bool, n_experts: int, top_k: int,
@@ -151,7 +151,7 @@ class MoE(nn.Module):
         with torch.autocast(x.device.type, enabled=False):  # the router in fp32, whatever the precision
             logits = F.linear(x.float(), self.router.weight.float())  # (B, T, E)
         r = route(logits, self.top_k, self.capacity_factor)
-        self.aux, self.z, self.load, self.dropped = r.aux, r.z, r.load, (~r.keep).sum()
+        self.aux, self.z, self.load, self.dropped = r.aux, r.z, r.load, (~r.keep).float().mean()
         token = torch.arange(B * T, device=x.device).repeat_interleave(self.top_k)  # (B T k,)
         keep = r.keep.flatten()
         expert, token, weight = r.experts.flatten()[keep], token[keep], r.weights.flatten()[keep]
@@ -165,12 +165,22 @@ class MoE(nn.Module):
         return self.dropout(out.view(B, T, C))
 
 
-def router_losses(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(aux, z) of the last forward, each the mean over the model's MoE layers; None without any."""
+def objective(model: nn.Module, loss: torch.Tensor, aux_weight: float, z_weight: float):
+    """(what a micro-batch back-propagates, the router's numbers): the language-model loss + aux_weight x aux +
+    z_weight x z, and (aux, z, dropped) detached; for a dense model the loss and no numbers."""
+    losses = router_losses(model)
+    if losses is None:
+        return loss, loss.new_zeros(0).float()
+    aux, z, _ = losses
+    return loss + aux_weight * aux + z_weight * z, torch.stack(losses).detach().float()
+
+
+def router_losses(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(aux, z, dropped) of the last forward, each the mean over the model's MoE layers; None without any."""
     layers = [m for m in model.modules() if isinstance(m, MoE)]
     if not layers:
         return None
-    return (torch.stack([m.aux for m in layers]).mean(), torch.stack([m.z for m in layers]).mean())
+    return tuple(torch.stack([getattr(m, what) for m in layers]).mean() for what in ("aux", "z", "dropped"))
 
 
 def is_moe_layer(i: int, every: int) -> bool:

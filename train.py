@@ -127,7 +127,7 @@ class Run:
     skip_batches: list = field(default_factory=list)  # global batch numbers the spike guard skips
     batches_drawn: int = 0
     spikes: list = field(default_factory=list)  # (step, batch) of rollbacks since the run last got past one
-    router: torch.Tensor | None = None  # MoE: this step's (aux, z) router losses on this rank (moe.py)
+    router: torch.Tensor | None = None  # experts: this step's router numbers on this rank (moe.objective); dense: ()
 
     @property
     def autocast(self):
@@ -192,8 +192,7 @@ def setup(cfg: config.TrainConfig, arch: dict | None = None, init_values=None) -
                              timeout_s=cfg.timeout)
     n_params = gpt.n_params(model_cfg)  # all ranks' shards together, the tied wte/lm_head once
     on = device.type if grid.world == 1 else \
-        f"{grid.world} {device.type} processes (dp {grid.dp} x tp {grid.tp} x pp {grid.pp} x cp {grid.cp}" \
-        + (f", experts over ep {grid.ep}" if grid.ep > 1 else "") + ")"
+        f"{grid.world} {device.type} processes (dp {grid.dp} x tp {grid.tp} x pp {grid.pp} x cp {grid.cp})"
     log(f"{model_cfg.n_layer}-layer model ({cfg.preset}, {n_params / 1e6:.1f}M parameters) on {on}: "
         f"{cfg.precision}, attention {cfg.attn}, compile {'on' if cfg.compile else 'off'}, "
         f"{cfg.max_steps} steps of {cfg.batch_size} x {cfg.seq_len} tokens")
@@ -204,7 +203,7 @@ def setup(cfg: config.TrainConfig, arch: dict | None = None, init_values=None) -
         log(str(grid))
     data_sha256 = ", ".join(f"{s} {data.shard_sha256(prepared / f'{s}.bin')[:16]}" for s in ("train", "val"))
     return Run(cfg, device, precision, grid, tok, model_cfg, model, opt, scaler, loader, val, guard, saver, run_id,
-               data_sha256, log, lock=lock, sync=sync, pipe=stages, gather=gather)
+               data_sha256, log, lock=lock, sync=sync, pipe=stages, gather=gather, router=torch.zeros(0, device=device))
 
 
 def build_model_and_optimizer(cfg: config.TrainConfig, grid: parallel.Grid, model_cfg: gpt.GPTConfig,
@@ -275,24 +274,13 @@ def accumulate(run: Run, micro: list[torch.Tensor], train: bool, scale: float = 
             run.sync.require_backward_grad_sync = i == len(micro) - 1
         with run.grid.observer.span("F"), run.autocast:
             _, loss = run.model(mb[:, :-1], mb[:, 1:])
-        if train:
-            objective = with_router_losses(run, loss, i == 0, len(micro))
+        if train:  # with experts, the router's losses join the objective (moe.py)
+            objective, router = moe.objective(run.model, loss, run.cfg.moe_aux_loss, run.cfg.moe_z_loss)
+            run.router = router / len(micro) + (run.router if i else 0)
             with run.grid.observer.span("B"):
                 (objective * (scale / len(micro))).backward()
         total += loss.detach().float() / len(micro)
     return total
-
-
-def with_router_losses(run: Run, loss: torch.Tensor, first: bool, n_micro: int) -> torch.Tensor:
-    """What a micro-batch back-propagates: the language-model loss, plus with experts --moe-aux-loss x aux +
-    --moe-z-loss x z (moe.py), whose means over the step's micro-batches gather in `run.router`."""
-    losses = moe.router_losses(run.model)
-    if losses is None:
-        return loss
-    aux, z = losses
-    router = torch.stack([aux, z]).detach().float() / n_micro
-    run.router = router if first else run.router + router
-    return loss + run.cfg.moe_aux_loss * aux + run.cfg.moe_z_loss * z
 
 
 def train_step(run: Run) -> dict:
@@ -306,9 +294,7 @@ def train_step(run: Run) -> dict:
     batch_number, batch = next_batch(run)
     local_loss = forward_backward(run, batch)
     gradients.finish_grads(run.model, run.grid, run.sync)
-    # after the gradients: nothing delays their buckets. With experts the router losses ride along (one call)
-    losses = global_loss(run.grid, local_loss if run.router is None else torch.cat([local_loss[None], run.router]))
-    loss, router = (losses, losses.new_zeros(0)) if run.router is None else (losses[0], losses[1:])
+    loss, *router = global_loss(run.grid, torch.cat([local_loss[None], run.router]))  # after the gradients; 0-d each
     grads = gradients.local_grads(run.model, run.sync)
     run.scaler.unscale_(grads)
     norm = gradients.grad_norm(run.model, run.grid, run.sync)
@@ -324,7 +310,7 @@ def train_step(run: Run) -> dict:
         run.opt.step()
     # the step's one read of the device, once the update is queued (on NCCL a bounded wait: a dead peer is exit 3)
     run.grid.wait_for_device()
-    numbers = torch.cat([torch.stack([loss, norm, finite_loss, finite, spike]), router])
+    numbers = torch.stack([loss, norm, finite_loss, finite, spike, *router])  # with experts: aux, z, dropped
     loss, norm, finite_loss, finite, spike, *router = numbers.tolist()
     updated = finite_loss and finite and not spike
     if updated:
@@ -340,14 +326,13 @@ def train_step(run: Run) -> dict:
     bad = not finite_loss or (not finite and not run.scaler.enabled)
     return {"step": run.step + 1, "loss": loss, "lr": lr, "grad_norm": norm,
             "skipped": not (finite_loss and finite), "bad": bad, "spike": bool(spike), "batch": batch_number,
-            **({"moe_aux": router[0], "moe_z": router[1]} if router else {})}
+            **dict(zip(("moe_aux", "moe_z", "moe_dropped"), router))}
 
 
 def global_loss(grid: parallel.Grid, x: torch.Tensor) -> torch.Tensor:
     """The batch loss on every rank: it lives on the last pipeline stage (the others hold 0, so a sum
     over the pipeline group copies it), and is averaged over data-parallel ranks and over context-parallel
-    ones (each holds the mean over its slice of the tokens; the slices are equal). x: the loss, or with
-    experts (loss, aux, z)."""
+    ones (each holds the mean over its slice of the tokens; the slices are equal); x: with the router's numbers."""
     x = x.detach().float().clone()
     grid.all_reduce(x, "pp")
     grid.all_reduce(x, "dp_cp")

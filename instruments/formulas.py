@@ -80,8 +80,8 @@ def expected_traffic(cfg: gpt.GPTConfig, grid: Grid, micro_batch: int, n_micro: 
         if grid.size(group) > 1:
             e[("all_reduce", group)] += 4  # the squared gradient norm (ep: of the experts)
     for group in ("pp", "dp_cp"):
-        if grid.size(group) > 1:  # the loss (with experts: and aux, z), for logging and the guards
-            e[("all_reduce", group)] += 12 if cfg.moe_experts else 4
+        if grid.size(group) > 1:  # the loss (with experts: and aux, z, dropped), for logging and the guards
+            e[("all_reduce", group)] += 16 if cfg.moe_experts else 4  # (pipelines: experts refused)
     return {(op, grid.label(group)): v for (op, group), v in e.items()}
 
 
