@@ -102,15 +102,18 @@ class Stacked(nn.Module):
         self.weight = nn.Parameter(torch.empty(n, out_features, in_features))
         self.bias = nn.Parameter(torch.empty(n, out_features)) if bias else None
 
-    def apply(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight[e], None if self.bias is None else self.bias[e])
+    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """(W_e, b_e) of each expert, as views. unbind, not weight[e]: its backward stacks the E gradients
+        into one tensor, where E indexings would each add a whole (E, out, in) tensor of zeros."""
+        biases = self.bias.unbind(0) if self.bias is not None else [None] * self.weight.size(0)
+        return list(zip(self.weight.unbind(0), biases))
 
 
 class Experts(nn.Module):
     """The MLPs of this rank's experts, run on rows sorted by expert: counts[e] rows for expert e.
-    One matmul pair per expert over all its rows (a loop over experts, never over tokens): on a CPU as
-    fast as padding every expert to the largest count for one batched matmul, and it wastes nothing
-    (tests/bench_moe.py measures both)."""
+    One matmul pair per expert over all its rows (a loop over experts, never over tokens), which wastes
+    nothing on padding; tests/bench_moe.py times it against one batched matmul over rows padded to the
+    largest count."""
 
     def __init__(self, n: int, n_embd: int, hidden: int, swiglu: bool):
         super().__init__()
@@ -119,14 +122,15 @@ class Experts(nn.Module):
         self.c_proj = Stacked(n, hidden, n_embd, bias=not swiglu)
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        return torch.cat([self.mlp(e, rows) for e, rows in enumerate(x.split(counts))])  # (sum(counts), C)
+        fc, proj = self.c_fc.layers(), self.c_proj.layers()
+        return torch.cat([self.mlp(fc[e], proj[e], rows) for e, rows in enumerate(x.split(counts))])  # (sum, C)
 
-    def mlp(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        h = self.c_fc.apply(e, x)
+    def mlp(self, fc: tuple, proj: tuple, x: torch.Tensor) -> torch.Tensor:
+        h = F.linear(x, *fc)
         if self.swiglu:
             gate, up = h.chunk(2, dim=-1)
-            return self.c_proj.apply(e, F.silu(gate) * up)
-        return self.c_proj.apply(e, F.gelu(h, approximate="tanh"))
+            return F.linear(F.silu(gate) * up, *proj)
+        return F.linear(F.gelu(h, approximate="tanh"), *proj)
 
 
 class MoE(nn.Module):

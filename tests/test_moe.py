@@ -96,8 +96,12 @@ def test_layer_is_the_routed_sum_of_expert_mlps(swiglu):
         for t in range(12):
             for j in range(2):
                 if r.keep[b, t, j]:
-                    want[b, t] += r.weights[b, t, j] * m.experts.mlp(int(r.experts[b, t, j]), x[b, t][None])[0]
+                    want[b, t] += r.weights[b, t, j] * expert_mlp(m, int(r.experts[b, t, j]), x[b, t][None])[0]
     assert torch.allclose(out, want, atol=1e-6)
+
+
+def expert_mlp(m: moe.MoE, e: int, x: torch.Tensor) -> torch.Tensor:
+    return m.experts.mlp(m.experts.c_fc.layers()[e], m.experts.c_proj.layers()[e], x)
 
 
 def expert_share(model: gpt.GPT, idx: torch.Tensor) -> list[float]:
