@@ -105,8 +105,9 @@ class MFU(Observer):
 # Flags that may change when a run resumes, and what the change does (the others must match, or
 # make no difference to the math: logging, checkpoint cadence, fault injection).
 SCHEDULE = ("lr", "min_lr", "warmup_steps", "max_steps")
-UPDATE = ("weight_decay", "clip", "dropout", "loss_scale_window", "max_bad_steps", "spike_z", "spike_window")
-LAYOUT = ("tp", "pp", "sp", "cp", "cp_attn", "zero", "micro_batch_size", "pp_schedule", "virtual_stages")
+UPDATE = ("weight_decay", "clip", "dropout", "loss_scale_window", "max_bad_steps", "spike_z", "spike_window",
+          "moe_aux_loss", "moe_z_loss")
+LAYOUT = ("tp", "pp", "sp", "cp", "cp_attn", "ep", "zero", "micro_batch_size", "pp_schedule", "virtual_stages")
 KERNELS = ("attn", "compile", "device", "recompute")
 
 
@@ -221,7 +222,10 @@ def memory_report(run, memory: dict) -> str:
         lines.append(f"  {kind:<12}{measured:>16,}{value:>16,.0f}  {text:<10}{'yes' if measured == value else 'NO'}")
     lines.append(f"  activations saved per layer and micro-batch (--recompute {cfg.recompute}): measured "
                  f"{acts.per_layer:,.0f}, formula {ours:,.0f} ({acts.per_layer / ours:.1%})"
-                 + ("" if paper is None else f"; Korthikanti et al. (16-bit, dropout masks) {paper:,.0f}"))
+                 + ("" if paper is None else f"; Korthikanti et al. (16-bit, dropout masks) {paper:,.0f}")
+                 + ("; the formula is a dense layer's: an MoE layer also keeps its router's tensors and k routed "
+                    "copies of its rows, as many as the router keeps (not modeled)" if run.model_cfg.moe_experts
+                    else ""))
     if acts.allocated is not None:
         lines.append(f"  allocator: {acts.allocated:,} bytes more held after the blocks' forward than before it")
     lines.append("  ZeRO paper (16-bit weights and gradients, K = 12): 2Ψ+2Ψ+12Ψ (no ZeRO), 2Ψ+2Ψ+12Ψ/N (1), "
