@@ -232,3 +232,12 @@ def test_expert_layout_reproduces_single_process(layout, moe_references, corpus,
         row = next(ln.split() for ln in result.stdout.splitlines() if ln.strip().startswith("all_to_all"))
         assert int(row[3].replace(",", "")) == want, row  # rank 0's; every rank's: the formula's line above
         assert math.isclose(int(row[-1].replace(",", "")), want / 2, abs_tol=1)  # (ep-1)/ep on the links
+
+
+def test_a_checkpoint_saved_at_ep2_resumes_at_ep1(moe_references, corpus, tmp_path):
+    """Saved at --ep 2 (each rank its half of every expert stack, described by its slice), resumed on one
+    process, where each stack is whole again: the run goes on as if it had never changed layout."""
+    run_train(corpus, tmp_path, *STEPS, *DROP, "--ep", "2", "--max-steps", "2", "--ckpt-every", "2", nproc=2)
+    resumed = run_train(corpus, tmp_path, *STEPS, *DROP).stdout
+    assert "resume: layout {'dp': 2, 'tp': 1, 'pp': 1, 'ep': 2} -> {'dp': 1, 'tp': 1, 'pp': 1}" in resumed, resumed
+    assert_same_run(moe_references(tuple(DROP)), tmp_path)
