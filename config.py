@@ -287,10 +287,10 @@ def check_moe(cfg: TrainConfig) -> None:
                           "expert-parallel rank holds as many")
     unsupported = {"--tp": cfg.tp > 1, "--pp": cfg.pp > 1, "--cp": cfg.cp > 1,
                    "--recompute full": cfg.recompute == "full", "--init-from": bool(cfg.init_from),
-                   "--zero with --ep": cfg.zero > 0 and cfg.ep > 1}
+                   "--zero 3 with --ep": cfg.zero == 3 and cfg.ep > 1}
     if given := [flag for flag, on in unsupported.items() if on]:
         raise ConfigError(f"{', '.join(given)} with --moe-experts: not supported yet (mixture of experts runs with "
-                          "data and expert parallelism, ZeRO without --ep, and --recompute selective)")
+                          "data and expert parallelism, ZeRO 1 and 2 (3 without --ep), and --recompute selective)")
 
 
 def check_schedule(cfg: TrainConfig) -> None:

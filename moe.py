@@ -43,7 +43,12 @@ Everything else is replicated over the whole data-parallel group as before. An e
 sums the losses of every rank of its ep group (their tokens came to it), so it is all-reduced over the
 dp / N ranks that hold the *same* experts (`edp`, Megatron's expert-data-parallel group) and divided by dp:
 the mean over all dp ranks, as every other gradient. Averaging it over all of dp instead (the classic bug)
-would add up the gradients of different experts.
+would add up the gradients of different experts. Under ZeRO 1 and 2 the experts' optimizer state and
+gradients are sharded over that same edp group, the rest over dp (gradients.py, zero.py).
+
+Not built yet, and refused in one line (config.check_moe): experts with tensor, pipeline or context
+parallelism, --recompute full (its re-run forward is not recorded, and the router's losses live in it),
+--init-from, and ZeRO 3 with --ep.
 
 Traffic, counted per rank (--comm-report): each all-to-all of rows counts the bytes of *this rank's own*
 token rows (dispatch: the rows it sends; combine: the rows it gets back; the backward's two the same), that

@@ -139,6 +139,11 @@ class Grid:
         return self.dp_rank % self.ep
 
     @property
+    def edp_rank(self) -> int:
+        """This rank's place among the dp / ep ranks that hold the same experts (their `edp` group)."""
+        return self.dp_rank // self.ep
+
+    @property
     def dp_cp(self) -> int:
         """Ranks that hold the same weights and average their gradients: data and context parallel."""
         return self.dp * self.cp

@@ -75,7 +75,8 @@ def expected_traffic(cfg: gpt.GPTConfig, grid: Grid, micro_batch: int, n_micro: 
         e.update(zero_traffic(sync, n_micro, next(model.parameters()).element_size()))
     if grid.ep > 1:
         e.update(expert_traffic(cfg, model, n_micro))
-    norm_groups = ("tp", "pp") + (("dp_cp",) if sync is not None and sync.zero else ()) + ("ep",)
+    zero = sync is not None and sync.zero
+    norm_groups = ("tp", "pp") + (("dp_cp",) if zero else ()) + (() if zero else ("ep",))
     for group in norm_groups:
         if grid.size(group) > 1:
             e[("all_reduce", group)] += 4  # the squared gradient norm (ep: of the experts)
@@ -123,10 +124,13 @@ def zero_traffic(sync: GradSync, n_micro: int, weight_bytes: int) -> dict:
         for b in sync.buckets:  # expert parallelism's expert buckets: over edp
             out[("all_reduce", b.group)] += 4 * b.numel
         return {k: v for k, v in out.items() if sync.grid.size(k[1]) > 1}
-    padded = sum(b.padded for b in sync.buckets)
     reduces = 1 if sync.zero == 1 else n_micro
     gathers = 2 * n_micro if sync.zero == 3 else 1
-    return {("reduce_scatter", "dp_cp"): reduces * 4 * padded, ("all_gather", "dp_cp"): gathers * weight_bytes * padded}
+    out = defaultdict(int)
+    for b in sync.buckets:  # (expert parallelism's expert buckets: over edp)
+        out[("reduce_scatter", b.group)] += reduces * 4 * b.padded
+        out[("all_gather", b.group)] += gathers * weight_bytes * b.padded
+    return {k: v for k, v in out.items() if sync.grid.size(k[1]) > 1}
 
 
 
@@ -147,15 +151,16 @@ def state_formula(model: torch.nn.Module, opt, sync: GradSync | None, grid: Grid
     K = 12 bytes of optimizer state (fp32 master, exp_avg, exp_avg_sq; torch's AdamW on fp32 weights
     keeps only the moments, K = 2P). Ψ is this rank's parameters (tensor/pipeline parallelism already
     divided them), padded to N equal shards under ZeRO; N = dp (times cp: context-parallel ranks hold
-    replicas too)."""
-    zero, n = (sync.zero if sync is not None else 0), grid.dp_cp
+    replicas too; an expert's N is dp / ep, the ranks that hold the same experts)."""
+    zero = sync.zero if sync is not None else 0
     P = next(model.parameters()).element_size()
     psi = sum(b.padded for b in sync.buckets) if zero else sum(p.numel() for p in model.parameters())
+    shard = sum(b.padded / grid.size(b.group) for b in sync.buckets) if zero else psi  # Ψ/N
     G = 4 if sync is not None else P
     K = 12 if isinstance(opt, ZeroAdamW) else 2 * P
 
     def term(bytes_, sharded):
-        return (bytes_ * psi / (n if sharded else 1), f"{bytes_}Ψ" + ("/N" if sharded else ""))
+        return (bytes_ * (shard if sharded else psi), f"{bytes_}Ψ" + ("/N" if sharded else ""))
 
     return {"weights": term(P, zero >= 3), "gradients": term(G, zero >= 2), "optimizer": term(K, zero >= 1)}
 

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 from conftest import final_weights, metrics, run_train
-from test_parallel import assert_same_run
+from test_parallel import assert_same_run, memory_lines
 
 import config
 import model as gpt
@@ -161,7 +161,7 @@ def test_parameter_counts():
     (["--moe-experts", "4", "--ep", "3"], "--ep 3 does not divide the 4 experts"),
     (["--moe-experts", "4", "--tp", "2", "--recompute", "full"], "--tp, --recompute full with --moe-experts: not "
                                                                  "supported yet"),
-    (["--moe-experts", "4", "--ep", "2", "--zero", "1"], "--zero with --ep with --moe-experts: not supported yet"),
+    (["--moe-experts", "4", "--ep", "2", "--zero", "3"], "--zero 3 with --ep with --moe-experts: not supported yet"),
 ])
 def test_bad_moe_flags_are_one_line(flags, says):
     cfg = config.parse_args(["--device", "cpu", "--preset", "tiny", *flags])
@@ -192,8 +192,8 @@ NO_DROP = ["--moe-capacity-factor", "0"]
 LAYOUTS = {
     "dp2-accum-zero1": (2, DROP, ["--micro-batch-size", "2", "--zero", "1"]),
     "ep2": (2, DROP, ["--ep", "2"]),
-    "ep4-accum": (4, DROP, ["--ep", "4", "--micro-batch-size", "1"]),
-    "ep2xdp4-nodrop": (4, NO_DROP, ["--ep", "2", "--micro-batch-size", "1"]),
+    "ep4-accum-zero1": (4, DROP, ["--ep", "4", "--micro-batch-size", "1", "--zero", "1"]),
+    "ep2xdp4-nodrop-zero2": (4, NO_DROP, ["--ep", "2", "--micro-batch-size", "1", "--zero", "2", "--memory-report"]),
 }
 
 
@@ -214,7 +214,8 @@ def moe_references(corpus, tmp_path_factory):
 def test_expert_layout_reproduces_single_process(layout, moe_references, corpus, tmp_path):
     """Losses, gradient norms, router losses, the dropped fraction and final weights (the expert shards
     consolidated) of one process, at every layout. ep2xdp4 averages expert gradients over edp (2 of the 4
-    dp ranks): averaging them over all of dp, the classic bug, mixes different experts and fails it."""
+    dp ranks): averaging them over all of dp, the classic bug, mixes different experts and fails it. Under
+    ZeRO the expert state is sharded over edp, the rest over dp: the memory report's formulas hold."""
     nproc, capacity, flags = LAYOUTS[layout]
     result = run_train(corpus, tmp_path, *STEPS, *capacity, *flags, "--comm-report", nproc=nproc)
     reference = moe_references(tuple(capacity))
@@ -225,6 +226,10 @@ def test_expert_layout_reproduces_single_process(layout, moe_references, corpus,
         assert got["moe_dropped"] == pytest.approx(ref["moe_dropped"], abs=1e-7)
         assert (got["moe_dropped"] > 0) == (capacity is DROP)
     assert "formula matches measurement on every rank: yes" in result.stdout, result.stdout[-3000:]
+    if "--memory-report" in flags:
+        for kind in ("weights", "gradients", "optimizer"):
+            lines = memory_lines(result.stdout, kind)
+            assert len(lines) == nproc and all(ln.endswith("yes") for ln in lines), lines
     if capacity is NO_DROP and "--ep" in flags:  # the closed form: 4 all-to-alls of b T k C fp32 per layer
         b, T, k, C, E, layers = 1, 32, 2, 64, 4, 4
         n_micro = 8 // (nproc * b)
@@ -235,9 +240,11 @@ def test_expert_layout_reproduces_single_process(layout, moe_references, corpus,
 
 
 def test_a_checkpoint_saved_at_ep2_resumes_at_ep1(moe_references, corpus, tmp_path):
-    """Saved at --ep 2 (each rank its half of every expert stack, described by its slice), resumed on one
-    process, where each stack is whole again: the run goes on as if it had never changed layout."""
-    run_train(corpus, tmp_path, *STEPS, *DROP, "--ep", "2", "--max-steps", "2", "--ckpt-every", "2", nproc=2)
+    """Saved at --ep 2 with ZeRO-1 (each rank its half of every expert stack, described by its slice, and
+    its flat pieces of the optimizer state), resumed on one process without ZeRO, where each stack is whole
+    again: the run goes on as if it had never changed layout."""
+    run_train(corpus, tmp_path, *STEPS, *DROP, "--ep", "2", "--zero", "1", "--max-steps", "2", "--ckpt-every", "2",
+              nproc=2)
     resumed = run_train(corpus, tmp_path, *STEPS, *DROP).stdout
     assert "resume: layout {'dp': 2, 'tp': 1, 'pp': 1, 'ep': 2} -> {'dp': 1, 'tp': 1, 'pp': 1}" in resumed, resumed
     assert_same_run(moe_references(tuple(DROP)), tmp_path)
