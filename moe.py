@@ -46,9 +46,15 @@ the mean over all dp ranks, as every other gradient. Averaging it over all of dp
 would add up the gradients of different experts. Under ZeRO 1 and 2 the experts' optimizer state and
 gradients are sharded over that same edp group, the rest over dp (gradients.py, zero.py).
 
-Not built yet, and refused in one line (config.check_moe): experts with tensor, pipeline or context
-parallelism, --recompute full (its re-run forward is not recorded, and the router's losses live in it),
---init-from, and ZeRO 3 with --ep.
+Tensor parallelism leaves the experts whole, replicated on every tp rank (shard.py skips them): the MoE's
+input, the LayerNorm's output, is replicated there too, so each rank routes the same tokens the same way
+and computes the same gradients; no collective, tp times the expert FLOPs. Splitting each expert over tp
+(Megatron's way) would cut those FLOPs and add its two all-reduces per layer: not built.
+
+Not built yet, and refused in one line (config.check_moe): experts with sequence parallelism (each tp
+rank would see a slice of every sequence, and capacity is per sequence), pipeline or context parallelism,
+--recompute full (its re-run forward is not recorded, and the router's losses live in it), --init-from,
+and ZeRO 3 with --ep.
 
 Traffic, counted per rank (--comm-report): each all-to-all of rows counts the bytes of *this rank's own*
 token rows (dispatch: the rows it sends; combine: the rows it gets back; the backward's two the same), that

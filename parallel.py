@@ -201,12 +201,12 @@ class Grid:
         rank 0, one that data (and context) parallelism replicates on dp_cp rank 0 (unless ZeRO split
         it over them: `replicated_over_dp=False`), and the pipeline's copy of the tied embedding never.
         Counting a replica twice is the classic clipping bug of model parallelism. An expert's weights
-        (`expert`) are split over the ep ranks, and copied on the dp / ep groups of them: the first group's
-        count."""
+        (`expert`) are split over the ep ranks, and copied on the dp / ep groups of them and on the tp ranks:
+        tp rank 0's of the first group count."""
         if getattr(p, "tied_copy", False):
             return False
-        if getattr(p, "expert", False) and replicated_over_dp:  # dp / ep copies: those of the first ep group
-            return self.dp_rank < self.ep and self.tp_rank == 0
+        if getattr(p, "expert", False):  # split over ep; copies over tp and the dp / ep groups: the first's count
+            return (self.dp_rank < self.ep or not replicated_over_dp) and self.tp_rank == 0
         sharded_tp = getattr(p, "shard", None) is not None
         return (self.dp_cp_rank == 0 or not replicated_over_dp) and (sharded_tp or self.tp_rank == 0)
 

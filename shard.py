@@ -273,6 +273,8 @@ def apply_tensor_parallel(model: gpt.GPT, grid: Grid) -> None:
     for block in model.transformer.h:
         block.attn.c_attn = ColumnParallelLinear(C, (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim, grid, bias, qkv)
         block.attn.c_proj = RowParallelLinear(C, C, grid, bias)
+        if isinstance(block.mlp, moe.MoE):  # experts replicated over tp (moe.py says why)
+            continue
         # SwiGLU's W and V split alike, so a rank's gate and up columns meet (model.MLP)
         block.mlp.c_fc = ColumnParallelLinear(C, (2 if cfg.llama else 1) * F, grid, bias, 2 if cfg.llama else 1)
         block.mlp.c_proj = RowParallelLinear(F, C, grid, bias)

@@ -48,11 +48,13 @@ def expected_traffic(cfg: gpt.GPTConfig, grid: Grid, micro_batch: int, n_micro: 
     if grid.tp > 1:
         per_micro = defaultdict(int)
         again = 2 * layers * btc if cfg.recompute == "full" else 0  # the backward re-runs the forward's pairs
+        pairs = 4 * layers * btc  # (attention and MLP: an MoE's experts are replicated over tp, and talk not)
         if sp:
-            per_micro[("all_gather", "tp")] += 4 * layers * btc + again + (btc if first else 0) + (btc if last else 0)
-            per_micro[("reduce_scatter", "tp")] += 4 * layers * btc + again + (btc if last else 0)
+            per_micro[("all_gather", "tp")] += pairs + again + (btc if first else 0) + (btc if last else 0)
+            per_micro[("reduce_scatter", "tp")] += pairs + again + (btc if last else 0)
         else:
-            per_micro[("all_reduce", "tp")] += 4 * layers * btc + again + (btc if last else 0)
+            pairs -= 2 * btc * sum(isinstance(m, moe.MoE) for m in model.modules())
+            per_micro[("all_reduce", "tp")] += pairs + again + (btc if last else 0)
         per_micro[("all_reduce", "tp")] += (btc if first else 0) + (3 * bt if last else 0)
         for k, v in per_micro.items():
             e[k] += n_micro * v

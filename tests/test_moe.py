@@ -159,8 +159,9 @@ def test_parameter_counts():
     (["--ep", "2"], "--ep: only with --moe-experts"),
     (["--moe-experts", "4", "--moe-top-k", "5"], "--moe-top-k 5 is more than the 4 experts"),
     (["--moe-experts", "4", "--ep", "3"], "--ep 3 does not divide the 4 experts"),
-    (["--moe-experts", "4", "--tp", "2", "--recompute", "full"], "--tp, --recompute full with --moe-experts: not "
-                                                                 "supported yet"),
+    (["--moe-experts", "4", "--tp", "2", "--sp", "--recompute", "full"], "--sp, --recompute full with --moe-experts: "
+                                                                         "not supported yet"),
+    (["--moe-experts", "4", "--pp", "2", "--cp", "2"], "--pp, --cp with --moe-experts: not supported yet"),
     (["--moe-experts", "4", "--ep", "2", "--zero", "3"], "--zero 3 with --ep with --moe-experts: not supported yet"),
 ])
 def test_bad_moe_flags_are_one_line(flags, says):
@@ -192,6 +193,7 @@ NO_DROP = ["--moe-capacity-factor", "0"]
 LAYOUTS = {
     "dp2-accum-zero1": (2, DROP, ["--micro-batch-size", "2", "--zero", "1"]),
     "ep2": (2, DROP, ["--ep", "2"]),
+    "tp2xep2": (4, DROP, ["--tp", "2", "--ep", "2"]),  # experts replicated over tp, split over ep
     "ep4-accum-zero1": (4, DROP, ["--ep", "4", "--micro-batch-size", "1", "--zero", "1"]),
     "ep2xdp4-nodrop-zero2": (4, NO_DROP, ["--ep", "2", "--micro-batch-size", "1", "--zero", "2", "--memory-report"]),
 }
