@@ -51,6 +51,11 @@ input, the LayerNorm's output, is replicated there too, so each rank routes the 
 and computes the same gradients; no collective, tp times the expert FLOPs. Splitting each expert over tp
 (Megatron's way) would cut those FLOPs and add its two all-reduces per layer: not built.
 
+Under --compile (train.py compiles each block) an MoE block is two graphs: the ops before the host reads
+the counts keep fixed shapes (dropped assignments go to a last bin rather than being filtered out), so that
+read, which the splits need, is the one graph break (torch._dynamo.explain on one layer: 2 graphs, 1
+break); under --ep the all-to-alls, Python calls of the grid, run between graphs too (not measured).
+
 Not built yet, and refused in one line (config.check_moe): experts with sequence parallelism (each tp
 rank would see a slice of every sequence, and capacity is per sequence), pipeline or context parallelism,
 --recompute full (its re-run forward is not recorded, and the router's losses live in it), --init-from,
@@ -167,13 +172,17 @@ class MoE(nn.Module):
             logits = F.linear(x.float(), self.router.weight.float())  # (B, T, E)
         r = route(logits, self.top_k, self.capacity_factor)
         self.aux, self.z, self.load, self.dropped = r.aux, r.z, r.load, (~r.keep).float().mean()
-        token = torch.arange(B * T, device=x.device).repeat_interleave(self.top_k)  # (B T k,)
-        keep = r.keep.flatten()
-        expert, token, weight = r.experts.flatten()[keep], token[keep], r.weights.flatten()[keep]
-        order = torch.argsort(expert, stable=True)  # the kept assignments, grouped by expert
-        token, weight = token[order], weight[order]
-        counts = torch.bincount(expert, minlength=self.n_experts).tolist()  # the host needs the splits
-        self.rows_sent += sum(counts) if torch.is_grad_enabled() else 0
+        # every assignment (token, choice) by expert, in token order within one; dropped ones in a last bin
+        expert = torch.where(r.keep, r.experts, self.n_experts).flatten()  # (B T k,)
+        order = torch.argsort(expert, stable=True)
+        counts = torch.zeros(self.n_experts + 1, dtype=torch.long, device=x.device).index_add_(
+            0, expert, torch.ones_like(expert))
+        # The one read of the device: the host needs the splits (and under torch.compile the one graph break,
+        # the ops above keeping their shapes fixed until here)
+        *counts, _ = counts.tolist()
+        kept = sum(counts)
+        self.rows_sent += kept if torch.is_grad_enabled() else 0
+        token, weight = order[:kept] // self.top_k, r.weights.flatten()[order[:kept]]  # (kept,) each
         rows = x.reshape(B * T, C)[token]  # (kept, C)
         y = self.experts(rows, counts) if self.exchange is None else self.exchange(self.experts, rows, counts)
         out = y.new_zeros(B * T, C).index_add_(0, token, y * weight[:, None].to(y.dtype))
