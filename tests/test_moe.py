@@ -4,10 +4,12 @@ single-process run's losses and weights (fp32, gloo, CPU), with capacity droppin
 all-to-alls move the bytes of the formula on every rank."""
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
-from conftest import final_weights, metrics, run_train
+from conftest import ROOT, final_weights, metrics, run_train
 from test_parallel import assert_same_run, memory_lines
 
 import config
@@ -250,3 +252,7 @@ def test_a_checkpoint_saved_at_ep2_resumes_at_ep1(moe_references, corpus, tmp_pa
     resumed = run_train(corpus, tmp_path, *STEPS, *DROP).stdout
     assert "resume: layout {'dp': 2, 'tp': 1, 'pp': 1, 'ep': 2} -> {'dp': 1, 'tp': 1, 'pp': 1}" in resumed, resumed
     assert_same_run(moe_references(tuple(DROP)), tmp_path)
+    sampled = subprocess.run([sys.executable, str(ROOT / "sample.py"), "--ckpt", str(tmp_path / "ckpt"), "--device",
+                              "cpu", "--tokens", "8"], capture_output=True, text=True, cwd=ROOT)
+    assert sampled.returncode == 0 and "4-layer model, byte tokenizer" in sampled.stderr, sampled.stderr
+    assert sampled.stdout.strip(), "no text sampled"
