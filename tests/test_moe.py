@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, final_weights, metrics, run_train
+from conftest import ROOT, STEPS, metrics, run_train
 from test_parallel import assert_same_run, memory_lines
 
 import config
@@ -189,7 +189,7 @@ def test_bad_expert_layouts(corpus, tmp_path, monkeypatch):
 
 # ----------------------------------------------------------------------------- layouts
 
-STEPS = ["--max-steps", "4", "--ckpt-every", "0", "--moe-experts", "4"]
+MOE = ["--moe-experts", "4"]
 DROP = ["--moe-capacity-factor", "1.0"]  # capacity 16 of a sequence's 64 assignments per expert: some dropped
 NO_DROP = ["--moe-capacity-factor", "0"]
 LAYOUTS = {
@@ -201,28 +201,15 @@ LAYOUTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def moe_references(corpus, tmp_path_factory):
-    runs = {}
-
-    def reference(capacity: tuple):
-        if capacity not in runs:
-            out = tmp_path_factory.mktemp("single-moe")
-            run_train(corpus, out, *STEPS, *capacity)
-            runs[capacity] = metrics(out), final_weights(out)
-        return runs[capacity]
-    return reference
-
-
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_expert_layout_reproduces_single_process(layout, moe_references, corpus, tmp_path):
+def test_expert_layout_reproduces_single_process(layout, references, corpus, tmp_path):
     """Losses, gradient norms, router losses, the dropped fraction and final weights (the expert shards
     consolidated) of one process, at every layout. ep2xdp4 averages expert gradients over edp (2 of the 4
     dp ranks): averaging them over all of dp, the classic bug, mixes different experts and fails it. Under
     ZeRO the expert state is sharded over edp, the rest over dp: the memory report's formulas hold."""
     nproc, capacity, flags = LAYOUTS[layout]
-    result = run_train(corpus, tmp_path, *STEPS, *capacity, *flags, "--comm-report", nproc=nproc)
-    reference = moe_references(tuple(capacity))
+    result = run_train(corpus, tmp_path, *STEPS, *MOE, *capacity, *flags, "--comm-report", nproc=nproc)
+    reference = references(*MOE, *capacity)  # the single-process run, once per capacity
     assert_same_run(reference, tmp_path)
     for ref, got in zip(reference[0], metrics(tmp_path)):
         for key in ("moe_aux", "moe_z"):
@@ -243,15 +230,15 @@ def test_expert_layout_reproduces_single_process(layout, moe_references, corpus,
         assert math.isclose(int(row[-1].replace(",", "")), want / 2, abs_tol=1)  # (ep-1)/ep on the links
 
 
-def test_a_checkpoint_saved_at_ep2_resumes_at_ep1(moe_references, corpus, tmp_path):
+def test_a_checkpoint_saved_at_ep2_resumes_at_ep1(references, corpus, tmp_path):
     """Saved at --ep 2 with ZeRO-1 (each rank its half of every expert stack, described by its slice, and
     its flat pieces of the optimizer state), resumed on one process without ZeRO, where each stack is whole
     again: the run goes on as if it had never changed layout."""
-    run_train(corpus, tmp_path, *STEPS, *DROP, "--ep", "2", "--zero", "1", "--max-steps", "2", "--ckpt-every", "2",
-              nproc=2)
-    resumed = run_train(corpus, tmp_path, *STEPS, *DROP).stdout
+    run_train(corpus, tmp_path, *STEPS, *MOE, *DROP, "--ep", "2", "--zero", "1", "--max-steps", "2",
+              "--ckpt-every", "2", nproc=2)
+    resumed = run_train(corpus, tmp_path, *STEPS, *MOE, *DROP).stdout
     assert "resume: layout {'dp': 2, 'tp': 1, 'pp': 1, 'ep': 2} -> {'dp': 1, 'tp': 1, 'pp': 1}" in resumed, resumed
-    assert_same_run(moe_references(tuple(DROP)), tmp_path)
+    assert_same_run(references(*MOE, *DROP), tmp_path)
     sampled = subprocess.run([sys.executable, str(ROOT / "sample.py"), "--ckpt", str(tmp_path / "ckpt"), "--device",
                               "cpu", "--tokens", "8"], capture_output=True, text=True, cwd=ROOT)
     assert sampled.returncode == 0 and "4-layer model, byte tokenizer" in sampled.stderr, sampled.stderr
