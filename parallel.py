@@ -342,8 +342,7 @@ class Grid:
 
     def __str__(self) -> str:
         cp = f" x cp {self.cp}" if self.cp > 1 else ""
-        ep = f" (experts split over ep {self.ep} of them: ep rank = dp rank % {self.ep})" if self.ep > 1 else ""
-        lines = [f"grid: world {self.world} = dp {self.dp}{cp}{ep} x tp {self.tp} x pp {self.pp}"
+        lines = [f"grid: world {self.world} = dp {self.dp}{cp} x tp {self.tp} x pp {self.pp}"
                  + (" (sequence parallel over tp)" if self.sp else "")
                  + (f" (context parallel: {self.cp_attn} attention)" if self.cp > 1 else "")
                  + (f" (interleaved: {self.vp} chunks of layers per stage)" if self.vp > 1 else "")]
@@ -353,6 +352,11 @@ class Grid:
             row = "  ".join(f"({r})" for r in rings) if self.cp > 1 else "  ".join(rings)
             lines.append(f"  stage {p}: {row}    (each [...] is a tensor-parallel group"
                          + (", each (...) a context-parallel ring)" if self.cp > 1 else ")"))
+        if self.ep > 1:
+            groups = " ".join("{" + " ".join(f"dp {d}" for d in range(g, g + self.ep)) + "}"
+                              for g in range(0, self.dp, self.ep))
+            lines.append(f"  expert parallel (ep {self.ep}): {groups}: each group holds every expert, dp rank d its "
+                         f"part d % {self.ep}; the same parts (edp) sum their gradients")
         return "\n".join(lines)
 
 

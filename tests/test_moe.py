@@ -243,3 +243,16 @@ def test_a_checkpoint_saved_at_ep2_resumes_at_ep1(references, corpus, tmp_path):
                               "cpu", "--tokens", "8"], capture_output=True, text=True, cwd=ROOT)
     assert sampled.returncode == 0 and "4-layer model, byte tokenizer" in sampled.stderr, sampled.stderr
     assert sampled.stdout.strip(), "no text sampled"
+
+
+def test_the_grid_cuts_expert_groups_out_of_data_parallel_ranks():
+    """dp 4 x tp 2 with --ep 2: ep groups of consecutive dp ranks, edp the same place in each; an expert's
+    weights count (norm, checkpoint) on tp rank 0 of the first ep group, or (ZeRO, the norm of shards) on
+    every tp rank 0."""
+    grids = [parallel.Grid(dp=4, tp=2, ep=2, rank=r) for r in range(8)]
+    assert [(g.dp_rank, g.ep_rank, g.edp_rank) for g in grids[::2]] == [(0, 0, 0), (1, 1, 0), (2, 0, 1), (3, 1, 1)]
+    expert = torch.nn.Parameter(torch.zeros(1))
+    expert.expert = True
+    assert [g.rank for g in grids if g.owns(expert)] == [0, 2]
+    assert [g.rank for g in grids if g.owns(expert, replicated_over_dp=False)] == [0, 2, 4, 6]
+    assert "expert parallel (ep 2): {dp 0 dp 1} {dp 2 dp 3}" in str(grids[0])
