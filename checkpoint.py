@@ -155,6 +155,17 @@ def check_compatible(manifest: dict, meta: dict, path: Path, allowed: tuple = ()
                                      f"settings{also}, point --out elsewhere, or pass --fresh to start over")
 
 
+# What names the data a checkpoint was trained on (train.py's meta): a change is refused, or with --new-data said.
+DATA = {"data": "--data", "data_sha256": "the prepared data's sha256"}
+
+
+def data_changes(now: dict, saved: dict) -> list[str]:
+    """--new-data: one line per way the data (`now`'s meta) differs from the checkpoint's (`saved`)."""
+    return [f"resume: {what} {saved[key]} -> {now[key]}: --new-data goes on from the checkpoint's position in "
+            "other data; the steps from here on are not the original run's"
+            for key, what in DATA.items() if key in saved and saved[key] != now[key]]
+
+
 class Reader:
     """Full tensors by logical name, reassembled from whatever layout wrote them, from the mapped files
     of a pinned checkpoint (`pin`)."""

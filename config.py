@@ -70,6 +70,19 @@ class TrainConfig:
     recompute: str = arg("none", "activation recomputation: keep only each block's input and recompute the "
                          "block in the backward (full), or recompute only the attention core (selective)",
                          choices=["none", "selective", "full"])
+    moe_experts: int = arg(0, "mixture of experts: E expert MLPs in each MoE block, a router sending each token to "
+                           "--moe-top-k of them (moe.py); part of the architecture", at_least(2),
+                           shown="0: dense MLPs")
+    moe_top_k: int = arg(2, "MoE: experts per token (1: Switch; 2: GShard, Mixtral); the weights of k > 1 renormalized",
+                         at_least(1))
+    moe_every: int = arg(1, "MoE: every n-th block's MLP is routed experts (1: all; 2: blocks 1, 3, ...)", at_least(1))
+    moe_capacity_factor: float = arg(1.25, "MoE: an expert takes at most ceil(c T k / E) tokens of each sequence; the "
+                                     "rest are dropped and pass through on the residual (0: no dropping)",
+                                     (lambda v: 0 <= v < math.inf, "must be >= 0"))
+    moe_aux_loss: float = arg(1e-2, "MoE: weight of Switch's load-balancing loss (reported as moe_aux: 1 is even)",
+                              (lambda v: 0 <= v < math.inf, "must be >= 0"))
+    moe_z_loss: float = arg(1e-3, "MoE: weight of the router z-loss, the mean squared logsumexp of the router's "
+                            "logits (reported as moe_z)", (lambda v: 0 <= v < math.inf, "must be >= 0"))
     compile: bool | None = arg(None, "torch.compile each transformer block and the fused loss",
                                shown="on with CUDA; off on CPU, where compiling costs more than it saves")
 
@@ -133,6 +146,9 @@ class TrainConfig:
                            "--virtual-stages)", choices=list(pipeline.SCHEDULES))
     virtual_stages: int = arg(1, "interleaved schedule: chunks of layers per pipeline stage (v); the bubble "
                               "shrinks v times, the pipeline messages grow v times", at_least(1))
+    ep: int = arg(1, "expert-parallel degree: the data-parallel ranks in groups of N, each rank holding "
+                  "--moe-experts / N of every MoE layer's experts; tokens reach them by all-to-all (moe.py)",
+                  at_least(1))
     zero: int = arg(0, "ZeRO stage: shard across the data-parallel ranks 1: the optimizer state, 2: and the "
                     "gradients (reduce-scattered every backward), 3: and the weights (gathered per block, "
                     "prefetched); see zero.py", choices=[0, 1, 2, 3])
@@ -239,6 +255,7 @@ def resolve_defaults(cfg: TrainConfig, device: torch.device, bf16_ok: bool = Tru
         raise ConfigError("--zero 3 with --pp is not supported: ZeRO-3 gathers the tied embedding as one unit on "
                           "one stage; use --zero 1 or 2 with pipeline parallelism")
     check_schedule(cfg)
+    check_moe(cfg)
     cfg.attn = resolve_attention(cfg, device, n_embd // n_head)
     return cfg
 
@@ -271,6 +288,32 @@ def check_fp8(cfg: TrainConfig, device: torch.device | None = None) -> None:
         raise ConfigError("--precision fp8 runs eager: leave out --compile (fp8.py's casts are not compiled)")
     if fp8 and device is not None and (why := fp8_supported(device)):
         raise ConfigError(f"--precision {cfg.precision}: {why}")
+
+
+MOE_DEFAULTS = {"moe_top_k": 2, "moe_every": 1, "moe_capacity_factor": 1.25, "moe_aux_loss": 1e-2, "moe_z_loss": 1e-3,
+                "ep": 1}
+
+
+def check_moe(cfg: TrainConfig) -> None:
+    """The MoE flags need experts, and k of them to choose from; expert parallelism splits them evenly
+    (that --ep divides the data-parallel degree needs the world size: parallel.layout). What is not
+    built yet with experts is refused by name."""
+    if not cfg.moe_experts:
+        if given := [f"--{k.replace('_', '-')}" for k, v in MOE_DEFAULTS.items() if getattr(cfg, k) != v]:
+            raise ConfigError(f"{', '.join(given)}: only with --moe-experts (a mixture of experts)")
+        return
+    if cfg.moe_top_k > cfg.moe_experts:
+        raise ConfigError(f"--moe-top-k {cfg.moe_top_k} is more than the {cfg.moe_experts} experts (--moe-experts)")
+    if cfg.moe_experts % cfg.ep:
+        raise ConfigError(f"--ep {cfg.ep} does not divide the {cfg.moe_experts} experts (--moe-experts): every "
+                          "expert-parallel rank holds as many")
+    unsupported = {"--sp": cfg.sp, "--pp": cfg.pp > 1, "--cp": cfg.cp > 1,
+                   "--recompute full": cfg.recompute == "full", "--init-from": bool(cfg.init_from),
+                   "--zero 3 with --ep": cfg.zero == 3 and cfg.ep > 1,
+                   f"--precision {cfg.precision}": stability.PRECISIONS[cfg.precision].fp8}
+    if given := [flag for flag, on in unsupported.items() if on]:
+        raise ConfigError(f"{', '.join(given)} with --moe-experts: not supported yet (mixture of experts runs with "
+                          "data, expert and tensor parallelism, ZeRO 1 and 2 (3 without --ep), --recompute selective)")
 
 
 def check_schedule(cfg: TrainConfig) -> None:
@@ -340,6 +383,9 @@ def model_config(cfg: TrainConfig, arch: dict | None = None) -> gpt.GPTConfig:
                                    ("n_kv_head", cfg.n_kv_head), ("rope_theta", cfg.rope_theta)) if v}
         if cfg.tie_embeddings is not None:
             shape["tie_embeddings"] = cfg.tie_embeddings
+        if cfg.moe_experts:
+            shape.update(moe_experts=cfg.moe_experts, moe_top_k=cfg.moe_top_k, moe_every=cfg.moe_every,
+                         moe_capacity_factor=cfg.moe_capacity_factor)
         return gpt.config_from_preset(cfg.preset, vocab, dropout=cfg.dropout, attn=cfg.attn,
                                       recompute=cfg.recompute, arch=cfg.arch, **shape)
     if arch["vocab_size"] != vocab:

@@ -397,12 +397,15 @@ def _reduce_over(grid, groups: list[str]) -> ReduceMax | None:
     return reduce_max
 
 
-def end_step(states: list, grid, recipe: str) -> torch.Tensor:
+def end_step(model: torch.nn.Module, grid, recipe: str) -> list[torch.Tensor]:
     """After the optimizer step: every scaling rolls its step into its history. Under delayed scaling the
     next scale must be the one a single process would take, so each amax is first the max over every rank
     that cast a part of that tensor this step: one all-reduce MAX over tp, one over dp x cp, of 4 bytes per
-    role per Linear this rank holds. Returns this rank's saturated elements in the step (a device tensor)."""
-    scalings = [s for _, state in states for s in state.roles().values()]
+    role per Linear this rank holds. Returns [this rank's saturated elements in the step] (a float on the
+    device, read with the step's other numbers), or [] for a model without fp8."""
+    scalings = [s for m in model.modules() if getattr(m, "fp8", None) is not None for s in m.fp8.roles().values()]
+    if not scalings:
+        return []
     overflow = sum((s.overflow for s in scalings), torch.zeros((), dtype=torch.int64, device=grid.device))
     if recipe == "delayed" and scalings:
         amax = torch.stack([s.step_amax for s in scalings])
@@ -412,7 +415,7 @@ def end_step(states: list, grid, recipe: str) -> torch.Tensor:
             s.step_amax = a
     for s in scalings:
         s.update()
-    return overflow
+    return [overflow.float()]
 
 
 def checkpoint_tensors(states: list) -> dict[str, torch.Tensor]:

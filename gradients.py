@@ -25,6 +25,12 @@ last micro-batch without being held whole, so each micro-batch's backward reduce
 the cp ranks of a data-parallel rank hold replicas too, each with the gradient of its slice of the
 tokens, so the buckets are averaged (and ZeRO shards them) over the `dp_cp` group of dp x cp ranks.
 
+Expert parallelism (moe.py): the weights of experts (tagged `expert`) are not replicas over the data-parallel
+ranks, only over the dp / ep that hold the same experts. They get buckets of their own, summed over that
+`edp` group (under ZeRO, reduce-scattered and sharded over it), and divided by dp like every other bucket:
+each rank's expert gradient already holds the losses of its whole ep group (their tokens came to it), so
+the sum over edp covers every rank's loss once.
+
 Which rank's copy of a replicated tensor counts is one rule, `Grid.owns`, shared with the
 checkpoints (which save exactly the copies that count).
 """
@@ -45,8 +51,10 @@ class Bucket:
     to dp equal shards and `shard_grad` is this rank's averaged shard (a view of `main_grad` for
     stage 1; its own buffer for stages 2 and 3, where `main_grad` exists only during a backward)."""
 
-    def __init__(self, params: list[torch.nn.Parameter], pad_to: int, device: torch.device, persistent: bool):
-        self.params, self.offsets, n = params, [], 0
+    def __init__(self, params: list[torch.nn.Parameter], pad_to: int, device: torch.device, persistent: bool,
+                 group: str = "dp_cp", rank: int = 0):
+        # group: the ranks that sum it (and ZeRO shards it over); rank: this rank's place among them
+        self.params, self.offsets, n, self.group, self.rank = params, [], 0, group, rank
         for p in params:
             self.offsets.append(n)
             n += p.numel()
@@ -99,10 +107,14 @@ class GradSync:
                  zero: int = 0, units: list[list[torch.nn.Parameter]] | None = None):
         self.grid, self.overlap, self.zero, self.require_backward_grad_sync = grid, overlap, zero, True
         groups = units[::-1] if units is not None else self._by_size(model, bucket_mb)
-        self.buckets = [Bucket(b, grid.dp_cp if zero else 1, grid.device, persistent=zero < 2) for b in groups]
+        self.buckets = []
+        for params in groups:
+            group = "edp" if getattr(params[0], "expert", False) else "dp_cp"
+            self.buckets.append(Bucket(params, grid.size(group) if zero else 1, grid.device, persistent=zero < 2,
+                                       group=group, rank=grid.edp_rank if group == "edp" else grid.dp_cp_rank))
         self.slot = {}
         for b in self.buckets:
-            lo, hi = b.shard_range(grid.dp_cp_rank)
+            lo, hi = b.shard_range(b.rank)
             if zero == 1:
                 b.shard_grad = b.main_grad[lo:hi]
             elif zero >= 2:
@@ -120,8 +132,16 @@ class GradSync:
         # The pipeline's two copies of the tied embedding get a bucket each, alone, so that under
         # ZeRO both copies are cut at the same element offsets and their shards can be summed.
         tied = [p for p in params if getattr(p, "tied_copy", False) or getattr(p, "tied_embedding", False)]
-        buckets, current, size = [[p] for p in tied], [], 0
-        for p in (p for p in params if not any(p is t for t in tied)):
+        rest = [p for p in params if not any(p is t for t in tied)]
+        experts = [p for p in rest if getattr(p, "expert", False)]  # summed over another group: apart
+        return [[p] for p in tied] + GradSync._fill([p for p in rest if not getattr(p, "expert", False)], bucket_mb) \
+            + GradSync._fill(experts, bucket_mb)
+
+    @staticmethod
+    def _fill(params: list[torch.nn.Parameter], bucket_mb: float) -> list[list[torch.nn.Parameter]]:
+        """params in order, cut into buckets of at least bucket_mb (the last one smaller)."""
+        buckets, current, size = [], [], 0
+        for p in params:
             current.append(p)
             size += p.numel() * 4
             if size >= bucket_mb * 2**20:
@@ -144,7 +164,7 @@ class GradSync:
         self.grid.observer.gradient_event("launch", self.buckets.index(b))
         if self.zero >= 2:  # reduce into a fresh shard; the whole buffer is let go once that is done
             shard = torch.empty(b.shard_size, device=b.device)
-            self.pending.append((b, shard, self.grid.reduce_scatter(shard, b.main_grad, "dp_cp", async_op=True),
+            self.pending.append((b, shard, self.grid.reduce_scatter(shard, b.main_grad, b.group, async_op=True),
                                  b.main_grad))
             b.main_grad, b.ready = None, 0
             if self.on_reduced is not None:
@@ -154,16 +174,16 @@ class GradSync:
             return
         if self.zero:  # each rank receives the sum of only its shard
             b.received = torch.empty(b.shard_size, device=b.main_grad.device)
-            b.work = self.grid.reduce_scatter(b.received, b.main_grad, "dp_cp", async_op=True)
+            b.work = self.grid.reduce_scatter(b.received, b.main_grad, b.group, async_op=True)
         else:
-            b.work = self.grid.all_reduce(b.main_grad, "dp_cp", async_op=True)
+            b.work = self.grid.all_reduce(b.main_grad, b.group, async_op=True)
         b.launched = True
 
     def _receive(self) -> None:
         """ZeRO-2/3: wait for the oldest reduce-scatter in flight and add its shard to this rank's."""
         b, shard, work, _ = self.pending.popleft()  # the whole buffer (last item) is freed here
         if work is not None:
-            peer_call(work.wait, what=self.grid.describe("the gradients' reduce_scatter", "dp_cp"))
+            peer_call(work.wait, what=self.grid.describe("the gradients' reduce_scatter", b.group))
         b.shard_grad += shard
 
     def finish(self) -> None:
@@ -178,7 +198,7 @@ class GradSync:
         for b in self.buckets:
             if b.work is not None:
                 op = "reduce_scatter" if self.zero else "all_reduce"
-                peer_call(b.work.wait, what=self.grid.describe(f"the gradients' {op}", "dp_cp"))
+                peer_call(b.work.wait, what=self.grid.describe(f"the gradients' {op}", b.group))
             if self.zero == 1:
                 b.shard_grad.copy_(b.received)
             if self.zero:
@@ -201,7 +221,7 @@ class GradSync:
     def shard_pieces(self):
         """ZeRO: (param, a, z, this rank's gradient of elements [a, z) of the param, flattened)."""
         for b in self.buckets:
-            lo, hi = b.shard_range(self.grid.dp_cp_rank)
+            lo, hi = b.shard_range(b.rank)
             for p, off, a, z in b.parts(lo, hi):
                 yield p, a - off, z - off, b.shard_grad[a - lo:z - lo]
 
@@ -262,13 +282,24 @@ def grad_norm(model: torch.nn.Module, grid: Grid, sync: GradSync | None = None) 
     squaring, summing and adding each tensor apart is three launches per tensor, ~450 at GPT-2)."""
     zero = sync is not None and sync.zero
     if zero:  # each data-parallel rank holds one shard of each bucket
-        mine = [g for p, _, _, g in sync.shard_pieces() if grid.owns(p, replicated_over_dp=False)]
+        mine = [(p, g) for p, _, _, g in sync.shard_pieces() if grid.owns(p, replicated_over_dp=False)]
     else:
-        mine = [p.grad for p in model.parameters() if p.grad is not None and grid.owns(p, replicated_over_dp=False)]
-    if mine:
-        sq = torch.stack(torch._foreach_norm(mine, dtype=torch.float32)).square().sum()
+        mine = [(p, p.grad) for p in model.parameters()
+                if p.grad is not None and grid.owns(p, replicated_over_dp=False)]
+    if grid.ep > 1 and not zero:  # each rank of an ep group holds other experts: their squares summed over it
+        # (ZeRO: a rank holds a shard of its ep rank's experts; the sum over dp below meets every shard once)
+        experts = squares([g for p, g in mine if getattr(p, "expert", False)], grid.device)
+        grid.all_reduce(experts, "ep")
+        sq = squares([g for p, g in mine if not getattr(p, "expert", False)], grid.device) + experts
     else:
-        sq = torch.zeros((), device=grid.device)
+        sq = squares([g for _, g in mine], grid.device)
     for group in ("tp", "pp") + (("dp_cp",) if zero else ()):
         grid.all_reduce(sq, group)
     return sq.sqrt()
+
+
+def squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The sum of the squares of every element of grads (fp32)."""
+    if not grads:
+        return torch.zeros((), device=device)
+    return torch.stack(torch._foreach_norm(grads, dtype=torch.float32)).square().sum()

@@ -3,7 +3,8 @@
     tokens (B, T) ─▶ wte + wpe ─▶ [ Block ] × n_layer ─▶ ln_f ─▶ lm_head (= wte^T) ─▶ logits (B, T, V)
 
     Block:  x = x + attn(ln_1(x))        pre-LayerNorm, eps 1e-5
-            x = x + mlp(ln_2(x))         mlp = c_proj(gelu_tanh(c_fc(x))), 4x wide
+            x = x + mlp(ln_2(x))         mlp = c_proj(gelu_tanh(c_fc(x))), 4x wide; or E routed experts
+                                         of that MLP in every moe_every-th block (moe.py)
 
 This is the model of Radford et al. 2019 ("Language Models are Unsupervised Multitask
 Learners") with the parameter names of the released checkpoints, so Hugging Face GPT-2
@@ -58,6 +59,7 @@ import torch.nn.functional as F
 from fp8 import fp8_linear
 from kernels import attention, attention_packed, unpack_qkv
 from lmhead import lm_head_loss
+from moe import MoE, active_matmul_delta, is_moe_layer, param_delta
 
 
 @dataclass
@@ -77,6 +79,11 @@ class GPTConfig:
     rope_theta: float = 10000.0  # RoPE's base: the slowest pair turns by pos * theta^(-(D-2)/D)
     tie_embeddings: bool = False  # llama: the output layer is wte (GPT-2 always ties)
     norm_eps: float = 1e-5  # llama: RMSNorm's epsilon (GPT-2's LayerNorm: 1e-5)
+    # Mixture of experts (moe.py); 0 experts: every MLP dense, as above.
+    moe_experts: int = 0  # E: experts in each MoE layer
+    moe_top_k: int = 2  # k: experts per token (1: Switch; 2: GShard, Mixtral)
+    moe_every: int = 1  # every n-th block's MLP is an MoE (1: all of them)
+    moe_capacity_factor: float = 1.25  # c: an expert takes ceil(c T k / E) tokens of a sequence (0: all)
 
     @property
     def padded_vocab(self) -> int:
@@ -105,12 +112,14 @@ class GPTConfig:
 
     def architecture(self) -> dict:
         """The fields that decide parameter shapes (what a checkpoint must agree on). A GPT-2's leaves out
-        the Llama fields, so its checkpoints read as they always have."""
-        skip = {"dropout", "attn", "recompute"} | (set() if self.llama else set(LLAMA_FIELDS))
+        the Llama fields, and a dense model the MoE ones, so its checkpoints read as they always have."""
+        skip = {"dropout", "attn", "recompute"} | (set() if self.llama else set(LLAMA_FIELDS)) \
+            | (set() if self.moe_experts else set(MOE_FIELDS))
         return {k: v for k, v in asdict(self).items() if k not in skip}
 
 
 LLAMA_FIELDS = ("arch", "n_kv_head", "ffn_hidden", "rope_theta", "tie_embeddings", "norm_eps")
+MOE_FIELDS = ("moe_experts", "moe_top_k", "moe_every", "moe_capacity_factor")
 
 
 def ffn_hidden_rule(n_embd: int, multiple: int = 256) -> int:
@@ -352,12 +361,14 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, i: int = 0):
         super().__init__()
         self.ln_1 = norm(cfg)
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = norm(cfg)
-        self.mlp = MLP(cfg)
+        # block i's MLP: dense, or (moe.py) routed experts of the same kind
+        self.mlp = MoE(cfg.n_embd, cfg.hidden, cfg.llama, cfg.moe_experts, cfg.moe_top_k, cfg.moe_capacity_factor,
+                       cfg.dropout) if cfg.moe_experts and is_moe_layer(i, cfg.moe_every) else MLP(cfg)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), cache)
@@ -383,7 +394,7 @@ class GPT(nn.Module):
             wte=nn.Embedding(cfg.padded_vocab, cfg.n_embd, _weight=torch.empty(cfg.padded_vocab, cfg.n_embd)),
             wpe=nn.Embedding(cfg.block_size, cfg.n_embd, _weight=torch.empty(cfg.block_size, cfg.n_embd)),
             drop=nn.Dropout(cfg.dropout),
-            h=nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)]),
+            h=nn.ModuleList([Block(cfg, i) for i in range(cfg.n_layer)]),
             ln_f=norm(cfg),
         ))
         if cfg.llama:
@@ -560,11 +571,12 @@ def n_params(cfg: GPTConfig) -> int:
     """count_params of a GPT of this shape, without building one. GPT-2: per block 12 C^2 + 13 C (attention
     4 C^2 + 4 C, MLP 8 C^2 + 5 C, two LayerNorms 4 C), the tied embedding V C, the position table T C
     and the final LayerNorm 2 C. Llama: per block its matrices and two RMSNorm gains 2 C, the embedding
-    V C (twice, untied), the final RMSNorm C."""
+    V C (twice, untied), the final RMSNorm C. An MoE layer holds E MLPs and a router (moe.param_delta)."""
     C, V = cfg.n_embd, cfg.padded_vocab
+    mlp = (3 if cfg.llama else 2) * C * cfg.hidden + (0 if cfg.llama else cfg.hidden + C)
     if cfg.llama:
-        return cfg.n_layer * (block_matrices(cfg) + 2 * C) + (1 if cfg.tied else 2) * V * C + C
-    return cfg.n_layer * (12 * C * C + 13 * C) + (cfg.padded_vocab + cfg.block_size) * C + 2 * C
+        return cfg.n_layer * (block_matrices(cfg) + 2 * C) + (1 if cfg.tied else 2) * V * C + C + param_delta(cfg, mlp)
+    return cfg.n_layer * (12 * C * C + 13 * C) + (cfg.padded_vocab + cfg.block_size) * C + 2 * C + param_delta(cfg, mlp)
 
 
 def fp8_flop_share(cfg: GPTConfig, seq_len: int) -> float:
@@ -576,7 +588,9 @@ def fp8_flop_share(cfg: GPTConfig, seq_len: int) -> float:
 def flops_per_token(cfg: GPTConfig, seq_len: int) -> float:
     """Training FLOPs per token, PaLM appendix B: 6N + 12 L H Q T. N counts every weight that takes
     part in a matmul: the blocks and the lm_head, not the position table nor the input embedding (a
-    lookup; tied, it is the lm_head). 12 L H Q T is attention's scores and mixing, whatever H_kv."""
+    lookup; tied, it is the lm_head). 12 L H Q T is attention's scores and mixing, whatever H_kv. An MoE
+    layer's N is what a token uses: k experts' MLPs and the router (the active parameters)."""
     L = cfg.n_layer
-    n_matmul = L * block_matrices(cfg) + cfg.padded_vocab * cfg.n_embd
+    n_matmul = L * block_matrices(cfg) + cfg.padded_vocab * cfg.n_embd \
+        + active_matmul_delta(cfg, (3 if cfg.llama else 2) * cfg.n_embd * cfg.hidden)
     return 6 * n_matmul + 12 * L * cfg.n_head * cfg.head_dim * seq_len

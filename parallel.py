@@ -10,6 +10,12 @@ adjacent (they exchange the most data, so they should share a node), then contex
        stage 0: [0 1] [2 3]   dp group: ranks that hold the same shard   {0,2} {1,3} {4,6} {5,7}
        stage 1: [4 5] [6 7]   pp group: ranks that pass activations      {0,4} {1,5} {2,6} {3,7}
 
+With --ep (expert parallelism, moe.py) the data-parallel ranks are cut into groups of ep consecutive
+ones: each rank of an `ep` group holds 1/ep of every MoE layer's experts, and the `edp` group joins the
+dp/ep ranks that hold the same experts (ep_rank = dp_rank % ep), over which their gradients are summed:
+
+    dp=4, ep=2:   ep groups {dp 0, 1} {dp 2, 3}     edp groups {dp 0, 2} {dp 1, 3}
+
 With --cp (context parallelism, context.py) the cp ranks of one data-parallel rank read the same
 sequences and each keeps a slice of every one; their weights are replicas, so gradients are averaged
 over the `dp_cp` group of all dp x cp ranks that hold the same shard (Megatron's "data parallel
@@ -93,6 +99,7 @@ class Grid:
     cp: int = 1  # context parallelism: every activation split along T over cp ranks (context.py)
     cp_attn: str = "ring"  # how attention sees the whole sequence under cp: "ring" or "ulysses"
     whole: bool = False  # set by whole_sequence(): sp and cp off (sampling feeds one token at a time)
+    ep: int = 1  # expert parallelism: consecutive data-parallel ranks that split the experts (moe.py)
     vp: int = 1  # virtual pipeline stages (chunks of layers) per pipeline rank: the interleaved schedule's v
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     groups: dict = field(default_factory=dict)  # "tp" / "dp" / "pp" / "embed" -> this rank's group
@@ -125,6 +132,16 @@ class Grid:
     @property
     def pp_rank(self) -> int:
         return self.rank // (self.tp * self.cp * self.dp)
+
+    @property
+    def ep_rank(self) -> int:
+        """Which part of the experts this rank holds: its place in its group of ep data-parallel ranks."""
+        return self.dp_rank % self.ep
+
+    @property
+    def edp_rank(self) -> int:
+        """This rank's place among the dp / ep ranks that hold the same experts (their `edp` group)."""
+        return self.dp_rank // self.ep
 
     @property
     def dp_cp(self) -> int:
@@ -183,9 +200,13 @@ class Grid:
         and one counts toward the gradient norm: a tensor that tensor parallelism replicates on tp
         rank 0, one that data (and context) parallelism replicates on dp_cp rank 0 (unless ZeRO split
         it over them: `replicated_over_dp=False`), and the pipeline's copy of the tied embedding never.
-        Counting a replica twice is the classic clipping bug of model parallelism."""
+        Counting a replica twice is the classic clipping bug of model parallelism. An expert's weights
+        (`expert`) are split over the ep ranks, and copied on the dp / ep groups of them and on the tp ranks:
+        tp rank 0's of the first group count."""
         if getattr(p, "tied_copy", False):
             return False
+        if getattr(p, "expert", False):  # split over ep; copies over tp and the dp / ep groups: the first's count
+            return (self.dp_rank < self.ep or not replicated_over_dp) and self.tp_rank == 0
         sharded_tp = getattr(p, "shard", None) is not None
         return (self.dp_cp_rank == 0 or not replicated_over_dp) and (sharded_tp or self.tp_rank == 0)
 
@@ -230,7 +251,7 @@ class Grid:
     # Every collective in the codebase goes through these methods, and each through `collective`.
     def size(self, group: str) -> int:
         return {"tp": self.tp, "dp": self.dp, "pp": self.pp, "cp": self.cp, "dp_cp": self.dp_cp,
-                "world": self.world, "embed": 2 if self.pp > 1 else 1}[group]
+                "world": self.world, "embed": 2 if self.pp > 1 else 1, "ep": self.ep, "edp": self.dp // self.ep}[group]
 
     def label(self, group: str) -> str:
         """The group's name in reports: the dp x cp group is plain "dp" when there is no context parallelism."""
@@ -271,12 +292,17 @@ class Grid:
         return self.collective("reduce_scatter", group, inp.numel() * inp.element_size(), reduce_scatter_single, out,
                                inp, async_op=async_op)
 
-    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, group: str) -> None:
-        """out[r] = what rank r of the group sent this rank: its inp[this rank] (equal pieces along dim 0)."""
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, group: str, out_splits: list[int] | None = None,
+                   in_splits: list[int] | None = None, nbytes: int | None = None) -> None:
+        """out[r] = what rank r of the group sent this rank: its inp[this rank] (equal pieces along dim 0, or
+        uneven ones: in_splits[r] rows of inp go to rank r, out_splits[r] rows come from it). Counted: the
+        bytes of inp, or `nbytes` where the caller says what its formula counts (expert parallelism's rows
+        of this rank's own tokens, moe.py: what a rank receives depends on the routing)."""
         if self.size(group) == 1:
             out.copy_(inp)
             return
-        self.collective("all_to_all", group, inp.numel() * inp.element_size(), dist.all_to_all_single, out, inp)
+        self.collective("all_to_all", group, inp.numel() * inp.element_size() if nbytes is None else nbytes,
+                        dist.all_to_all_single, out, inp, output_split_sizes=out_splits, input_split_sizes=in_splits)
 
     def gather_objects(self, obj) -> list:
         """Every rank's `obj` (any picklable value, counted by its pickled size), in rank order, on every
@@ -326,19 +352,24 @@ class Grid:
             row = "  ".join(f"({r})" for r in rings) if self.cp > 1 else "  ".join(rings)
             lines.append(f"  stage {p}: {row}    (each [...] is a tensor-parallel group"
                          + (", each (...) a context-parallel ring)" if self.cp > 1 else ")"))
+        if self.ep > 1:
+            groups = " ".join("{" + " ".join(f"dp {d}" for d in range(g, g + self.ep)) + "}"
+                              for g in range(0, self.dp, self.ep))
+            lines.append(f"  expert parallel (ep {self.ep}): {groups}: each group holds every expert, dp rank d its "
+                         f"part d % {self.ep}; the same parts (edp) sum their gradients")
         return "\n".join(lines)
 
 
 def init_grid(tp: int, pp: int, device: torch.device, timeout_s: float = 300, sp: bool = False,
-              cp: int = 1, cp_attn: str = "ring", vp: int = 1) -> Grid:
+              cp: int = 1, cp_attn: str = "ring", vp: int = 1, ep: int = 1) -> Grid:
     """`layout`, then `connect`: the grid this process belongs to, with its process groups."""
-    grid = layout(tp, pp, device, sp=sp, cp=cp, cp_attn=cp_attn, vp=vp)
+    grid = layout(tp, pp, device, sp=sp, cp=cp, cp_attn=cp_attn, vp=vp, ep=ep)
     connect(grid, timeout_s)
     return grid
 
 
 def layout(tp: int, pp: int, device: torch.device, sp: bool = False, cp: int = 1, cp_attn: str = "ring",
-           vp: int = 1) -> Grid:
+           vp: int = 1, ep: int = 1) -> Grid:
     """The grid that torchrun's WORLD_SIZE and RANK describe, before any process talks to another: every
     rank computes the same one, so an impossible layout fails on every rank alike, at once."""
     world = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun
@@ -346,10 +377,13 @@ def layout(tp: int, pp: int, device: torch.device, sp: bool = False, cp: int = 1
     if world % (tp * pp * cp):
         raise LayoutError(f"world size {world} is not divisible by tp*cp*pp = {tp}*{cp}*{pp}; launch a "
                           f"multiple of {tp * cp * pp} processes or change --tp/--cp/--pp")
+    dp = world // (tp * pp * cp)
+    if dp % ep:
+        raise LayoutError(f"--ep {ep} does not divide the data-parallel degree {dp} (= {world} processes / tp*cp*pp): "
+                          "expert-parallel groups are cut out of the data-parallel ranks")
     if device.type == "cuda" and device.index is None:  # an index was settled by devices.pick_device
         device = local_gpu()
-    return Grid(tp=tp, pp=pp, cp=cp, dp=world // (tp * pp * cp), rank=rank, sp=sp, cp_attn=cp_attn, vp=vp,
-                device=device)
+    return Grid(tp=tp, pp=pp, cp=cp, dp=dp, rank=rank, sp=sp, cp_attn=cp_attn, vp=vp, ep=ep, device=device)
 
 
 def connect(grid: Grid, timeout_s: float = 300) -> None:
@@ -379,6 +413,10 @@ def connect(grid: Grid, timeout_s: float = 300) -> None:
                "dp": ids.permute(0, 2, 3, 1).reshape(-1, grid.dp),
                "dp_cp": ids.permute(0, 3, 1, 2).reshape(-1, grid.dp * cp),
                "pp": ids.permute(1, 2, 3, 0).reshape(-1, pp)}
+    if grid.ep > 1:  # dp ranks in groups of ep consecutive ones (ep), and the same place in each group (edp)
+        experts = ids.view(pp, grid.dp // grid.ep, grid.ep, cp, tp)
+        layouts["ep"] = experts.permute(0, 1, 3, 4, 2).reshape(-1, grid.ep)
+        layouts["edp"] = experts.permute(0, 2, 3, 4, 1).reshape(-1, grid.dp // grid.ep)
     if pp > 1:  # the first and last stage both hold the tied embedding
         layouts["embed"] = torch.stack([ids[0], ids[-1]], dim=-1).reshape(-1, 2)
     layouts["world"] = ids.reshape(1, world)

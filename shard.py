@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 import context
 import model as gpt
+import moe
 from lmhead import lm_head_loss
 from parallel import GRIDS, Grid, LayoutError
 
@@ -274,6 +275,8 @@ def apply_tensor_parallel(model: gpt.GPT, grid: Grid) -> None:
     for block in model.transformer.h:
         block.attn.c_attn = ColumnParallelLinear(C, (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim, grid, bias, qkv)
         block.attn.c_proj = RowParallelLinear(C, C, grid, bias)
+        if isinstance(block.mlp, moe.MoE):  # experts replicated over tp (moe.py says why)
+            continue
         # SwiGLU's W and V split alike, so a rank's gate and up columns meet (model.MLP)
         block.mlp.c_fc = ColumnParallelLinear(C, (2 if cfg.llama else 1) * F, grid, bias, 2 if cfg.llama else 1)
         block.mlp.c_proj = RowParallelLinear(F, C, grid, bias)
@@ -321,6 +324,18 @@ def check_layout(cfg: gpt.GPTConfig, grid: Grid, seq_len: int) -> None:
         kind = "heads" if cfg.kv_heads == cfg.n_head else "kv heads (each cp rank attends with whole ones)"
         raise LayoutError(f"--cp-attn ulysses needs the {kind} per tensor-parallel rank ({cfg.kv_heads // grid.tp}) "
                           f"divisible by --cp {grid.cp}; use --cp-attn ring")
+
+
+def apply_expert_parallel(model: gpt.GPT, grid: Grid) -> None:
+    """Each MoE layer keeps E / ep of its experts, this rank's run of them along the experts' dim 0 (tagged
+    `expert`: their gradients meet over `edp`, gradients.py), and sends tokens to the others (moe.py)."""
+    for layer in model.modules():
+        if isinstance(layer, moe.MoE):
+            for stacked in (layer.experts.c_fc, layer.experts.c_proj):
+                for name, p in list(stacked.named_parameters(recurse=False)):
+                    spec = {"dim": 0, "index": grid.ep_rank, "count": grid.ep, "groups": 1}
+                    setattr(stacked, name, meta_param(p.size(0) // grid.ep, *p.shape[1:], spec=spec, expert=True))
+            layer.exchange = moe.ExpertParallel(grid)
 
 
 def stage_layers(n_layer: int, pp: int, stage: int) -> range:
@@ -377,6 +392,8 @@ def build_model(cfg: gpt.GPTConfig, grid: Grid, seed: int, device: torch.device,
         context.apply_context_parallel(model, grid)
     if grid.pp > 1:
         keep_stage(model, grid)
+    if grid.ep > 1:
+        apply_expert_parallel(model, grid)
     specs = {name: getattr(p, "shard", None) for name, p in model.named_parameters(remove_duplicate=False)}
     return gpt.materialize(model, seed, device, shard_fn=lambda name, full: take_shard(full, specs[name]),
                            values=values)

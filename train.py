@@ -54,6 +54,7 @@ import data
 import fp8
 import gradients
 import model as gpt
+import moe
 import parallel
 import pipeline
 import shard
@@ -121,13 +122,13 @@ class Run:
     sync: gradients.GradSync | None = None  # data-parallel gradient averaging
     pipe: pipeline.Pipeline | None = None  # this rank's pipeline stage, when --pp > 1
     gather: zero.ParamGather | None = None  # ZeRO-3's weight gathering, when --zero 3
-    fp8: list = field(default_factory=list)  # --precision fp8: (name, fp8.Fp8LinearState) of the blocks' Linears
     metrics: rundir.Metrics | None = None  # --out/metrics.jsonl, once the loop has opened it
     step: int = 0
     saved_step: int = -1  # the step of the newest checkpoint this run has (written or loaded)
     skip_batches: list = field(default_factory=list)  # global batch numbers the spike guard skips
     batches_drawn: int = 0
     spikes: list = field(default_factory=list)  # (step, batch) of rollbacks since the run last got past one
+    router: torch.Tensor | None = None  # experts: this step's router numbers on this rank (moe.objective); dense: ()
 
     @property
     def autocast(self):
@@ -158,7 +159,8 @@ def setup(cfg: config.TrainConfig, arch: dict | None = None, init_values=None) -
     out = Path(cfg.out)
     # Every check that needs only the flags and the world size, before any process talks to another and
     # before any data: a wrong layout fails in a second on every rank alike (main prints it once).
-    grid = parallel.layout(cfg.tp, cfg.pp, device, sp=cfg.sp, cp=cfg.cp, cp_attn=cfg.cp_attn, vp=cfg.virtual_stages)
+    grid = parallel.layout(cfg.tp, cfg.pp, device, sp=cfg.sp, cp=cfg.cp, cp_attn=cfg.cp_attn, vp=cfg.virtual_stages,
+                           ep=cfg.ep)
     device, log = grid.device, cli.printer(grid.is_logger)
     per_rank = config.check_batch(cfg, grid)
     model_cfg = config.model_config(cfg, arch)
@@ -202,7 +204,7 @@ def setup(cfg: config.TrainConfig, arch: dict | None = None, init_values=None) -
         log(str(grid))
     data_sha256 = ", ".join(f"{s} {data.shard_sha256(prepared / f'{s}.bin')[:16]}" for s in ("train", "val"))
     return Run(cfg, device, precision, grid, tok, model_cfg, model, opt, scaler, loader, val, guard, saver, run_id,
-               data_sha256, log, lock=lock, sync=sync, pipe=stages, gather=gather, fp8=checkpoint.fp8_states(model))
+               data_sha256, log, lock=lock, sync=sync, pipe=stages, gather=gather, router=torch.zeros(0, device=device))
 
 
 def build_model_and_optimizer(cfg: config.TrainConfig, grid: parallel.Grid, model_cfg: gpt.GPTConfig,
@@ -275,9 +277,11 @@ def accumulate(run: Run, micro: list[torch.Tensor], train: bool, scale: float = 
             run.sync.require_backward_grad_sync = i == len(micro) - 1
         with run.grid.observer.span("F"), run.autocast:
             _, loss = run.model(mb[:, :-1], mb[:, 1:])
-        if train:
+        if train:  # with experts, the router's losses join the objective (moe.py)
+            objective, router = moe.objective(run.model, loss, run.cfg.moe_aux_loss, run.cfg.moe_z_loss)
+            run.router = router / len(micro) + (run.router if i else 0)
             with run.grid.observer.span("B"):
-                (loss * (scale / len(micro))).backward()
+                (objective * (scale / len(micro))).backward()
         total += loss.detach().float() / len(micro)
     return total
 
@@ -293,7 +297,7 @@ def train_step(run: Run) -> dict:
     batch_number, batch = next_batch(run)
     local_loss = forward_backward(run, batch)
     gradients.finish_grads(run.model, run.grid, run.sync)
-    loss = global_loss(run.grid, local_loss)  # after the gradients: nothing delays their buckets
+    loss, *router = global_loss(run.grid, torch.cat([local_loss[None], run.router]))  # after the gradients; 0-d each
     grads = gradients.local_grads(run.model, run.sync)
     run.scaler.unscale_(grads)
     norm = gradients.grad_norm(run.model, run.grid, run.sync)
@@ -307,11 +311,12 @@ def train_step(run: Run) -> dict:
     run.opt.found_inf = (~(finite_loss & finite & ~spike)).float()  # 1: the optimizer leaves everything as is
     with run.grid.observer.span("O"):
         run.opt.step()
-    overflow = fp8.end_step(run.fp8, run.grid, cfg.fp8_recipe) if run.fp8 else None
+    overflow = fp8.end_step(run.model, run.grid, cfg.fp8_recipe)  # fp8: [saturated elements] (else [])
     # the step's one read of the device, once the update is queued (on NCCL a bounded wait: a dead peer is exit 3)
     run.grid.wait_for_device()
-    read = [loss, norm, finite_loss, finite, spike] + ([overflow.float()] if overflow is not None else [])
-    loss, norm, finite_loss, finite, spike, *overflow = torch.stack(read).tolist()
+    numbers = torch.stack([loss, norm, finite_loss, finite, spike, *router, *overflow])  # experts: aux, z, dropped
+    loss, norm, finite_loss, finite, spike, *extra = numbers.tolist()
+    router, overflow = extra[:len(router)], extra[len(router):]
     updated = finite_loss and finite and not spike
     if updated:
         run.guard.record(loss)
@@ -326,13 +331,14 @@ def train_step(run: Run) -> dict:
     bad = not finite_loss or (not finite and not run.scaler.enabled)
     return {"step": run.step + 1, "loss": loss, "lr": lr, "grad_norm": norm,
             "skipped": not (finite_loss and finite), "bad": bad, "spike": bool(spike), "batch": batch_number,
-            **({"fp8_overflow": int(overflow[0])} if overflow else {})}  # fp8: elements this rank's casts saturated
+            **dict(zip(("moe_aux", "moe_z", "moe_dropped"), router)),
+            **({"fp8_overflow": int(overflow[0])} if overflow else {})}
 
 
 def global_loss(grid: parallel.Grid, x: torch.Tensor) -> torch.Tensor:
     """The batch loss on every rank: it lives on the last pipeline stage (the others hold 0, so a sum
     over the pipeline group copies it), and is averaged over data-parallel ranks and over context-parallel
-    ones (each holds the mean over its slice of the tokens; the slices are equal)."""
+    ones (each holds the mean over its slice of the tokens; the slices are equal); x: with the router's numbers."""
     x = x.detach().float().clone()
     grid.all_reduce(x, "pp")
     grid.all_reduce(x, "dp_cp")
@@ -389,22 +395,10 @@ def checkpoint_meta(run: Run) -> dict:
             "precision": stability.describe(cfg), "config": asdict(cfg)}
 
 
-# What names the data a checkpoint was trained on: a change is refused, or with --new-data logged.
-DATA = {"data": "--data", "data_sha256": "the prepared data's sha256"}
-
-
-def data_changes(run: Run, saved: dict) -> list[str]:
-    """--new-data: one line per way the data differs from the checkpoint's."""
-    now = checkpoint_meta(run)
-    return [f"resume: {what} {saved[key]} -> {now[key]}: --new-data goes on from the checkpoint's position in "
-            "other data; the steps from here on are not the original run's"
-            for key, what in DATA.items() if key in saved and saved[key] != now[key]]
-
-
 def restore(run: Run, announce: bool) -> bool:
     """Load the newest usable checkpoint of this run, if there is one; say what changed."""
     found = checkpoint.restore(Path(run.cfg.out) / "ckpt", run.model, run.opt, run.grid, checkpoint_meta(run),
-                               run.run_id, log=run.log, allowed=DATA if run.cfg.new_data else ())
+                               run.run_id, log=run.log, allowed=checkpoint.DATA if run.cfg.new_data else ())
     if found is None:
         return False
     path, extra, manifest = found
@@ -413,7 +407,7 @@ def restore(run: Run, announce: bool) -> bool:
     if announce:
         run.log(f"resuming from {path} (step {run.step})")
         run.grid.observer.resumed(manifest)  # (reports.py says which flags changed, and what that does)
-        for line in data_changes(run, manifest["meta"]):
+        for line in checkpoint.data_changes(checkpoint_meta(run), manifest["meta"]):
             run.log(line)
     return True
 
@@ -496,6 +490,7 @@ def after_step(run: Run, row: dict, bar) -> None:
     run.grid.observer.step_written(row)
     bar.update(1)
     bar.set_postfix(loss=f"{row['loss']:.3f}", lr=f"{row['lr']:.1e}", tok_s=f"{row['tokens_per_sec']:.0f}",
+                    **({"aux": f"{row['moe_aux']:.3f}", "z": f"{row['moe_z']:.2f}"} if "moe_aux" in row else {}),
                     **({"mfu": f"{row['mfu']:.1%}"} if "mfu" in row else {}),
                     **({"mem": f"{row['peak_mem_gb']:.1f}G"} if "peak_mem_gb" in row else {}))
     if run.step == cfg.max_steps:  # the last one is always written

@@ -76,7 +76,7 @@ class ZeroAdamW:
         self.found_inf: torch.Tensor | None = None  # set before step(): 1 skips the update
         self.shards = []
         for b in sync.buckets:
-            s = slice(*b.shard_range(self.grid.dp_cp_rank))
+            s = slice(*b.shard_range(b.rank))  # (expert buckets: sharded over edp, gradients.py)
             master = shard_of(b, s, initial or (lambda p: p.detach()))  # fp32, this rank's part only
             if self.stage == 3:  # this rank keeps its shard of the weights, nothing more (ParamGather's Unit)
                 flat = master.to(param_dtype, copy=True)
@@ -87,7 +87,7 @@ class ZeroAdamW:
                 for p, view in b.views(flat):
                     view.copy_(p.detach())
                     p.data = view  # the parameter is now a window onto the bucket's flat buffer
-            self.shards.append({"flat": flat, "slice": s, "master": master,
+            self.shards.append({"flat": flat, "slice": s, "master": master, "group": b.group,
                                 "exp_avg": torch.zeros(b.shard_size, device=b.device),
                                 "exp_avg_sq": torch.zeros(b.shard_size, device=b.device)})
         self.by_decay = self._by_decay(weight_decay)
@@ -122,7 +122,7 @@ class ZeroAdamW:
         if self.stage == 3:
             st["flat"].copy_(st["master"])
         else:
-            self.grid.all_gather(st["flat"], st["master"].to(st["flat"].dtype), "dp_cp")
+            self.grid.all_gather(st["flat"], st["master"].to(st["flat"].dtype), st["group"])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.sync.zero_grad()

@@ -20,6 +20,7 @@ import torch
 
 import gradients
 import model as gpt
+import moe
 from gradients import GradSync
 from parallel import Grid
 from shard import rank_layers
@@ -47,11 +48,13 @@ def expected_traffic(cfg: gpt.GPTConfig, grid: Grid, micro_batch: int, n_micro: 
     if grid.tp > 1:
         per_micro = defaultdict(int)
         again = 2 * layers * btc if cfg.recompute == "full" else 0  # the backward re-runs the forward's pairs
+        pairs = 4 * layers * btc  # (attention and MLP: an MoE's experts are replicated over tp, and talk not)
         if sp:
-            per_micro[("all_gather", "tp")] += 4 * layers * btc + again + (btc if first else 0) + (btc if last else 0)
-            per_micro[("reduce_scatter", "tp")] += 4 * layers * btc + again + (btc if last else 0)
+            per_micro[("all_gather", "tp")] += pairs + again + (btc if first else 0) + (btc if last else 0)
+            per_micro[("reduce_scatter", "tp")] += pairs + again + (btc if last else 0)
         else:
-            per_micro[("all_reduce", "tp")] += 4 * layers * btc + again + (btc if last else 0)
+            pairs -= 2 * btc * sum(isinstance(m, moe.MoE) for m in model.modules())
+            per_micro[("all_reduce", "tp")] += pairs + again + (btc if last else 0)
         per_micro[("all_reduce", "tp")] += (btc if first else 0) + (3 * bt if last else 0)
         for k, v in per_micro.items():
             e[k] += n_micro * v
@@ -75,12 +78,16 @@ def expected_traffic(cfg: gpt.GPTConfig, grid: Grid, micro_batch: int, n_micro: 
             e[k] += v
     if sync is not None and grid.dp_cp > 1:
         e.update(zero_traffic(sync, n_micro, next(model.parameters()).element_size()))
-    for group in ("tp", "pp") + (("dp_cp",) if sync is not None and sync.zero else ()):
+    if grid.ep > 1:
+        e.update(expert_traffic(cfg, model, n_micro))
+    zero = sync is not None and sync.zero
+    norm_groups = ("tp", "pp") + (("dp_cp",) if zero else ()) + (() if zero else ("ep",))
+    for group in norm_groups:
         if grid.size(group) > 1:
-            e[("all_reduce", group)] += 4  # the squared gradient norm
+            e[("all_reduce", group)] += 4  # the squared gradient norm (ep: of the experts)
     for group in ("pp", "dp_cp"):
-        if grid.size(group) > 1:
-            e[("all_reduce", group)] += 4  # the loss, for logging and the guards
+        if grid.size(group) > 1:  # the loss (with experts: and aux, z, dropped), for logging and the guards
+            e[("all_reduce", group)] += 16 if cfg.moe_experts else 4  # (pipelines: experts refused)
     return {(op, grid.label(group)): v for (op, group), v in e.items()}
 
 
@@ -104,6 +111,16 @@ def fp8_traffic(grid: Grid, layers: int, n_micro: int, recompute: str, recipe: s
 def first_fp8_step(model: torch.nn.Module) -> bool:
     """Whether the step just taken was the first of the fp8 scalings (fp8.end_step has counted it)."""
     return any(m.fp8.x.updates == 1 for m in model.modules() if getattr(m, "fp8", None) is not None)
+
+
+def expert_traffic(cfg: gpt.GPTConfig, model: torch.nn.Module, n_micro: int) -> dict:
+    """Bytes of expert parallelism's all-to-alls on this rank in one fp32 step (moe.py's docstring): per MoE
+    layer, the rows of this rank's kept assignments (b T k a micro-batch without dropping) dispatched and
+    combined forward and the same two backward, 4 x rows x C x 4 bytes, and one exchange of E int64 counts
+    a micro-batch. The expert weights' gradients are summed over edp like any bucket (zero_traffic)."""
+    layers = [m for m in model.modules() if isinstance(m, moe.MoE)]
+    rows = sum(m.rows_sent for m in layers)
+    return {("all_to_all", "ep"): 4 * rows * cfg.n_embd * 4 + n_micro * len(layers) * cfg.moe_experts * 8}
 
 
 def context_traffic(grid: Grid, act: int, recompute: str, kv: int | None = None) -> dict:
@@ -130,11 +147,17 @@ def zero_traffic(sync: GradSync, n_micro: int, weight_bytes: int) -> dict:
         3  reduce-scatter 4Ψ, and all-gather the weights twice (forward, backward), every micro-batch:
            with one micro-batch and 4-byte weights 12Ψ against stage 0's 8Ψ, ZeRO's 1.5x"""
     if not sync.zero:
-        return {("all_reduce", "dp_cp"): 4 * sum(b.numel for b in sync.buckets)}
-    padded = sum(b.padded for b in sync.buckets)
+        out = defaultdict(int)
+        for b in sync.buckets:  # expert parallelism's expert buckets: over edp
+            out[("all_reduce", b.group)] += 4 * b.numel
+        return {k: v for k, v in out.items() if sync.grid.size(k[1]) > 1}
     reduces = 1 if sync.zero == 1 else n_micro
     gathers = 2 * n_micro if sync.zero == 3 else 1
-    return {("reduce_scatter", "dp_cp"): reduces * 4 * padded, ("all_gather", "dp_cp"): gathers * weight_bytes * padded}
+    out = defaultdict(int)
+    for b in sync.buckets:  # (expert parallelism's expert buckets: over edp)
+        out[("reduce_scatter", b.group)] += reduces * 4 * b.padded
+        out[("all_gather", b.group)] += gathers * weight_bytes * b.padded
+    return {k: v for k, v in out.items() if sync.grid.size(k[1]) > 1}
 
 
 
@@ -155,15 +178,16 @@ def state_formula(model: torch.nn.Module, opt, sync: GradSync | None, grid: Grid
     K = 12 bytes of optimizer state (fp32 master, exp_avg, exp_avg_sq; torch's AdamW on fp32 weights
     keeps only the moments, K = 2P). Ψ is this rank's parameters (tensor/pipeline parallelism already
     divided them), padded to N equal shards under ZeRO; N = dp (times cp: context-parallel ranks hold
-    replicas too)."""
-    zero, n = (sync.zero if sync is not None else 0), grid.dp_cp
+    replicas too; an expert's N is dp / ep, the ranks that hold the same experts)."""
+    zero = sync.zero if sync is not None else 0
     P = next(model.parameters()).element_size()
     psi = sum(b.padded for b in sync.buckets) if zero else sum(p.numel() for p in model.parameters())
+    shard = sum(b.padded / grid.size(b.group) for b in sync.buckets) if zero else psi  # Ψ/N
     G = 4 if sync is not None else P
     K = 12 if isinstance(opt, ZeroAdamW) else 2 * P
 
     def term(bytes_, sharded):
-        return (bytes_ * psi / (n if sharded else 1), f"{bytes_}Ψ" + ("/N" if sharded else ""))
+        return (bytes_ * (shard if sharded else psi), f"{bytes_}Ψ" + ("/N" if sharded else ""))
 
     return {"weights": term(P, zero >= 3), "gradients": term(G, zero >= 2), "optimizer": term(K, zero >= 1)}
 

@@ -106,8 +106,9 @@ class MFU(Observer):
 # Flags that may change when a run resumes, and what the change does (the others must match, or
 # make no difference to the math: logging, checkpoint cadence, fault injection).
 SCHEDULE = ("lr", "min_lr", "warmup_steps", "max_steps")
-UPDATE = ("weight_decay", "clip", "dropout", "loss_scale_window", "max_bad_steps", "spike_z", "spike_window")
-LAYOUT = ("tp", "pp", "sp", "cp", "cp_attn", "zero", "micro_batch_size", "pp_schedule", "virtual_stages")
+UPDATE = ("weight_decay", "clip", "dropout", "loss_scale_window", "max_bad_steps", "spike_z", "spike_window",
+          "moe_aux_loss", "moe_z_loss")
+LAYOUT = ("tp", "pp", "sp", "cp", "cp_attn", "ep", "zero", "micro_batch_size", "pp_schedule", "virtual_stages")
 KERNELS = ("attn", "compile", "device", "recompute")
 
 
@@ -212,7 +213,7 @@ def memory_report(run, memory: dict) -> str:
                                               grid.sp, cfg.recompute, cfg.attn, elem, 1 if cuda else elem,
                                               4 if cuda else residual, fused_norm=cuda)
     formula, acts = formulas.state_formula(run.model, run.opt, run.sync, grid), memory["activations"]
-    cp = f"cp {grid.cp_rank}, " if grid.cp > 1 else ""
+    cp = (f"cp {grid.cp_rank}, " if grid.cp > 1 else "") + (f"ep {grid.ep_rank}, " if grid.ep > 1 else "")
     n = f"N = dp x cp = {grid.dp_cp}" if grid.cp > 1 else f"N = dp = {grid.dp}"
     lines = [f"memory on rank {grid.rank} (dp {grid.dp_rank}, {cp}tp {grid.tp_rank}, pp {grid.pp_rank}), "
              f"ZeRO stage {cfg.zero}, {n}:",
@@ -222,7 +223,10 @@ def memory_report(run, memory: dict) -> str:
         lines.append(f"  {kind:<12}{measured:>16,}{value:>16,.0f}  {text:<10}{'yes' if measured == value else 'NO'}")
     lines.append(f"  activations saved per layer and micro-batch (--recompute {cfg.recompute}): measured "
                  f"{acts.per_layer:,.0f}, formula {ours:,.0f} ({acts.per_layer / ours:.1%})"
-                 + ("" if paper is None else f"; Korthikanti et al. (16-bit, dropout masks) {paper:,.0f}"))
+                 + ("" if paper is None else f"; Korthikanti et al. (16-bit, dropout masks) {paper:,.0f}")
+                 + ("; the formula is a dense layer's: an MoE layer also keeps its router's tensors and k routed "
+                    "copies of its rows, as many as the router keeps (not modeled)" if run.model_cfg.moe_experts
+                    else ""))
     if acts.allocated is not None:
         lines.append(f"  allocator: {acts.allocated:,} bytes more held after the blocks' forward than before it")
     lines.append("  ZeRO paper (16-bit weights and gradients, K = 12): 2Ψ+2Ψ+12Ψ (no ZeRO), 2Ψ+2Ψ+12Ψ/N (1), "
@@ -236,7 +240,7 @@ def memory_report(run, memory: dict) -> str:
 def comm_report(grid: Grid, expected: dict) -> str:
     """Measured bytes per (collective, group) next to the formula, and what a ring algorithm puts
     on each rank's link: 2(n-1)/n of the buffer for an all-reduce, (n-1)/n for the others."""
-    cp = f"cp {grid.cp_rank}, " if grid.cp > 1 else ""
+    cp = (f"cp {grid.cp_rank}, " if grid.cp > 1 else "") + (f"ep {grid.ep_rank}, " if grid.ep > 1 else "")
     lines = [f"communication of one training step on rank {grid.rank} (dp {grid.dp_rank}, {cp}tp {grid.tp_rank}, "
              f"pp {grid.pp_rank}):",
              f"  {'collective':<15}{'group':<7}{'calls':>6}{'measured bytes':>16}{'formula':>14}  "

@@ -76,7 +76,8 @@ def layout_of(grid) -> dict:
     """The layout that wrote a checkpoint, as its manifest records it (a reader at the same layout also
     continues each rank's random streams)."""
     cp = {"cp": grid.cp} if grid.cp > 1 else {}  # absent at 1: checkpoints from before cp compare equal
-    return {"dp": grid.dp, "tp": grid.tp, "pp": grid.pp, **cp}
+    ep = {"ep": grid.ep} if grid.ep > 1 else {}  # (the same for expert parallelism)
+    return {"dp": grid.dp, "tp": grid.tp, "pp": grid.pp, **cp, **ep}
 
 
 def full_shape(info: dict) -> list[int]:

@@ -33,6 +33,24 @@ TINY = ["--device", "cpu", "--preset", "tiny", "--tokenizer", "byte", "--seq-len
         "--max-steps", "4", "--sample-tokens", "0", "--eval-every", "2", "--eval-batches", "1"]
 
 
+STEPS = ["--max-steps", "4", "--ckpt-every", "0"]  # what a layout test runs, at every layout and on one process
+
+
+@pytest.fixture(scope="module")
+def references(corpus, tmp_path_factory):
+    """The single-process run of the flags the layouts of a test module share (test_parallel.py: a depth,
+    --n-layer; test_moe.py: experts), run once each: (its metrics rows, its final weights)."""
+    runs = {}
+
+    def reference(*flags: str):
+        if flags not in runs:
+            out = tmp_path_factory.mktemp("single")
+            run_train(corpus, out, *STEPS, *flags)
+            runs[flags] = metrics(out), final_weights(out)
+        return runs[flags]
+    return reference
+
+
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> dict:
     """A ~150 kB text file of real Python source and a cache directory shared by the session."""

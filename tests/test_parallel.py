@@ -17,28 +17,12 @@ import time
 
 import pytest
 import torch
-from conftest import ROOT, TINY, assert_same_weights, final_weights, metrics, run_train
+from conftest import ROOT, STEPS, TINY, assert_same_weights, final_weights, metrics, run_train
 
 import context
 import parallel
 import pipeline
 from support import interrupt
-
-STEPS = ["--max-steps", "4", "--ckpt-every", "0"]
-
-
-@pytest.fixture(scope="module")
-def references(corpus, tmp_path_factory):
-    """The single-process run of each model depth the layouts use (their --n-layer flags), run once."""
-    runs = {}
-
-    def reference(*depth: str):
-        if depth not in runs:
-            out = tmp_path_factory.mktemp("single")
-            run_train(corpus, out, *STEPS, *depth)
-            runs[depth] = metrics(out), final_weights(out)
-        return runs[depth]
-    return reference
 
 
 @pytest.fixture(scope="module")

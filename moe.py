@@ -1,0 +1,274 @@
+"""Mixture of experts: a block's MLP replaced by E expert MLPs and a router that sends each token to k of
+them (Shazeer et al. 2017; GShard, Lepikhin et al. 2020; Switch, Fedus et al. 2021), and expert
+parallelism, the experts spread over ranks and the tokens sent to them by all-to-all.
+
+    x (B, T, C) ─▶ router: logits = x W_r^T in fp32 (E per token) ─▶ softmax ─▶ top-k experts, weights
+               ─▶ capacity: each expert takes at most ceil(c T k / E) tokens of each sequence, the
+                  rest dropped (in token order: they pass through the block on the residual alone)
+               ─▶ permute: the kept (token, expert) pairs sorted by expert ─▶ each expert's MLP runs on
+                  its run of rows (one matmul per expert) ─▶ un-permute, scale by the router's weight,
+                  sum a token's k outputs
+
+k = 1 is Switch; k = 2 is GShard's and Mixtral's, the k weights renormalized to sum to 1. The experts are
+the block's own MLP kind (GPT-2: GELU, 4C wide; Llama: SwiGLU), stacked: `c_fc.weight` is (E, out, in).
+A token's MLP costs what the dense one did, k times; the parameters are E times as many. That is the
+point: parameters (what the model can hold) grow without the FLOPs per token (what a step costs).
+
+Every router statistic is per *sequence*, so splitting a batch by sequences (data parallelism,
+micro-batches, expert parallelism, which is data parallelism for everything but the experts) drops the
+same tokens and computes the same losses as one process (DESIGN.md, principle 3):
+
+    capacity     ceil(c * T * k / E) assignments per expert per sequence; a token's choices rank
+                 by (position, choice), so an earlier token always wins a full expert (c = 0: no limit)
+    balance      Switch's auxiliary loss per sequence, E * sum_i f_i * P_i, with f_i the fraction of
+                 the sequence's T k assignments that chose expert i (before dropping) and P_i the mean
+                 router probability of i; 1 when the load is even, E when one expert takes all.
+                 Averaged over sequences.
+    z-loss       (ST-MoE, Zoph et al. 2022) the mean over tokens of logsumexp(logits)^2: keeps the
+                 router's logits small, so its softmax stays in fp32's comfortable range
+
+The objective is the language-model loss + a * aux + z * z_loss, each router loss the mean over the
+model's MoE layers (so `--moe-aux-loss` means the same at any depth); train.py reports them apart.
+
+Expert parallelism (`--ep N`, DeepSpeed-MoE and Megatron's layout): the data-parallel ranks are cut into
+groups of N (the `ep` group); each rank of a group holds E / N of the experts, and the group as a whole
+holds all of them. Tokens go to their expert and come back with two all-to-alls:
+
+    rank's kept pairs, sorted by expert ─▶ all-to-all of the counts (how many rows go where)
+        ─▶ dispatch: all-to-all with uneven splits (rank r gets the rows for its experts)
+        ─▶ rows regrouped by local expert ─▶ experts ─▶ back to arrival order
+        ─▶ combine: the inverse all-to-all ─▶ un-permute, weight, sum
+
+Everything else is replicated over the whole data-parallel group as before. An expert's gradient already
+sums the losses of every rank of its ep group (their tokens came to it), so it is all-reduced over the
+dp / N ranks that hold the *same* experts (`edp`, Megatron's expert-data-parallel group) and divided by dp:
+the mean over all dp ranks, as every other gradient. Averaging it over all of dp instead (the classic bug)
+would add up the gradients of different experts. Under ZeRO 1 and 2 the experts' optimizer state and
+gradients are sharded over that same edp group, the rest over dp (gradients.py, zero.py).
+
+Tensor parallelism leaves the experts whole, replicated on every tp rank (shard.py skips them): the MoE's
+input, the LayerNorm's output, is replicated there too, so each rank routes the same tokens the same way
+and computes the same gradients; no collective, tp times the expert FLOPs. Splitting each expert over tp
+(Megatron's way) would cut those FLOPs and add its two all-reduces per layer: not built.
+
+Under --compile (train.py compiles each block) an MoE block is two graphs: the ops before the host reads
+the counts keep fixed shapes (dropped assignments go to a last bin rather than being filtered out), so that
+read, which the splits need, is the one graph break (torch._dynamo.explain on one layer: 2 graphs, 1
+break); under --ep the all-to-alls, Python calls of the grid, run between graphs too (not measured).
+
+Not built yet, and refused in one line (config.check_moe): experts with sequence parallelism (each tp
+rank would see a slice of every sequence, and capacity is per sequence), pipeline or context parallelism,
+--recompute full (its re-run forward is not recorded, and the router's losses live in it), --init-from,
+and ZeRO 3 with --ep.
+
+Traffic, counted per rank (--comm-report): each all-to-all of rows counts the bytes of *this rank's own*
+token rows (dispatch: the rows it sends; combine: the rows it gets back; the backward's two the same), that
+is kept_assignments x C x 4 bytes in fp32. Without dropping every token keeps its k choices, so per MoE
+layer and micro-batch: 2 forward + 2 backward all-to-alls of b T k C x 4 bytes each, plus one exchange of
+the E int64 counts (forward only). The bytes that cross the links are (N-1)/N of that when the routing is
+even (the report's last column); how many rows a rank *receives* depends on the routing and is not counted.
+With dropping on, a rank sends only its kept assignments: fewer bytes than the formula says.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def capacity(T: int, k: int, n_experts: int, factor: float) -> int:
+    """Assignments each expert takes from one sequence of T tokens (factor 0: all it could get, T)."""
+    return math.ceil(factor * T * k / n_experts) if factor > 0 else T
+
+
+@dataclass
+class Routing:
+    experts: torch.Tensor  # (B, T, k) int64: each token's chosen experts, best first
+    weights: torch.Tensor  # (B, T, k) fp32: their router weights (renormalized to sum to 1 for k > 1)
+    keep: torch.Tensor  # (B, T, k) bool: within the expert's capacity for this sequence
+    aux: torch.Tensor  # () Switch's load-balancing loss, the mean over sequences
+    z: torch.Tensor  # () the router z-loss, the mean over tokens
+    load: torch.Tensor  # (E,) assignments per expert, before dropping
+
+
+def route(logits: torch.Tensor, k: int, factor: float) -> Routing:
+    """Top-k routing of logits (B, T, E), fp32, with per-sequence capacity and losses (module docstring)."""
+    B, T, E = logits.shape
+    probs = logits.softmax(-1)  # (B, T, E)
+    weights, experts = probs.topk(k, dim=-1)  # (B, T, k) each
+    if k > 1:
+        weights = weights / weights.sum(-1, keepdim=True)
+    chosen = F.one_hot(experts.view(B, T * k), E)  # (B, T k, E), in (position, choice) order
+    # an assignment's place in its expert's queue for this sequence: earlier tokens first
+    place = (chosen.cumsum(1) * chosen).sum(-1) - 1  # (B, T k)
+    keep = (place < capacity(T, k, E, factor)).view(B, T, k)
+    load = chosen.sum(1).float()  # (B, E)
+    aux = E * ((load / (T * k)) * probs.mean(1)).sum(-1).mean()
+    z = torch.logsumexp(logits, -1).square().mean()
+    return Routing(experts, weights, keep, aux, z, load.sum(0))
+
+
+class Stacked(nn.Module):
+    """E linear layers' weights (E, out, in) and biases (E, out), one tensor each: y_e = x W_e^T + b_e."""
+
+    def __init__(self, n: int, in_features: int, out_features: int, bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n, out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(n, out_features)) if bias else None
+
+    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """(W_e, b_e) of each expert, as views. unbind, not weight[e]: its backward stacks the E gradients
+        into one tensor, where E indexings would each add a whole (E, out, in) tensor of zeros."""
+        biases = self.bias.unbind(0) if self.bias is not None else [None] * self.weight.size(0)
+        return list(zip(self.weight.unbind(0), biases))
+
+
+class Experts(nn.Module):
+    """The MLPs of this rank's experts, run on rows sorted by expert: counts[e] rows for expert e.
+    One matmul pair per expert over all its rows (a loop over experts, never over tokens), which wastes
+    nothing on padding; tests/bench_moe.py times it against one batched matmul over rows padded to the
+    largest count."""
+
+    def __init__(self, n: int, n_embd: int, hidden: int, swiglu: bool):
+        super().__init__()
+        self.swiglu = swiglu
+        self.c_fc = Stacked(n, n_embd, (2 if swiglu else 1) * hidden, bias=not swiglu)
+        self.c_proj = Stacked(n, hidden, n_embd, bias=not swiglu)
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        fc, proj = self.c_fc.layers(), self.c_proj.layers()
+        return torch.cat([self.mlp(fc[e], proj[e], rows) for e, rows in enumerate(x.split(counts))])  # (sum, C)
+
+    def mlp(self, fc: tuple, proj: tuple, x: torch.Tensor) -> torch.Tensor:
+        h = F.linear(x, *fc)
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            return F.linear(F.silu(gate) * up, *proj)
+        return F.linear(F.gelu(h, approximate="tanh"), *proj)
+
+
+class MoE(nn.Module):
+    """A block's MLP as routed experts. After each forward it keeps what the router decided, for the
+    loss and the reports: `aux`, `z` (scalars), `load` (assignments per expert) and `dropped` (the fraction
+    of assignments over capacity). `exchange` is expert parallelism's seam: None on one rank; an ExpertParallel (which
+    shard.py sets) sends the rows to the ranks of their experts and back."""
+
+    def __init__(self, n_embd: int, hidden: int, swiglu: bool, n_experts: int, top_k: int,
+                 capacity_factor: float, dropout: float = 0.0):
+        super().__init__()
+        self.n_experts, self.top_k, self.capacity_factor = n_experts, top_k, capacity_factor
+        self.router = nn.Linear(n_embd, n_experts, bias=False)
+        self.experts = Experts(n_experts, n_embd, hidden, swiglu)
+        self.dropout = nn.Dropout(dropout)
+        self.exchange = None
+        self.aux = self.z = self.load = self.dropped = None
+        self.rows_sent = 0  # kept assignments of the training forwards so far: what --comm-report's formula counts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        with torch.autocast(x.device.type, enabled=False):  # the router in fp32, whatever the precision
+            logits = F.linear(x.float(), self.router.weight.float())  # (B, T, E)
+        r = route(logits, self.top_k, self.capacity_factor)
+        self.aux, self.z, self.load, self.dropped = r.aux, r.z, r.load, (~r.keep).float().mean()
+        # every assignment (token, choice) by expert, in token order within one; dropped ones in a last bin
+        expert = torch.where(r.keep, r.experts, self.n_experts).flatten()  # (B T k,)
+        order = torch.argsort(expert, stable=True)
+        counts = torch.zeros(self.n_experts + 1, dtype=torch.long, device=x.device).index_add_(
+            0, expert, torch.ones_like(expert))
+        # The one read of the device: the host needs the splits (and under torch.compile the one graph break,
+        # the ops above keeping their shapes fixed until here)
+        *counts, _ = counts.tolist()
+        kept = sum(counts)
+        self.rows_sent += kept if torch.is_grad_enabled() else 0
+        token, weight = order[:kept] // self.top_k, r.weights.flatten()[order[:kept]]  # (kept,) each
+        rows = x.reshape(B * T, C)[token]  # (kept, C)
+        y = self.experts(rows, counts) if self.exchange is None else self.exchange(self.experts, rows, counts)
+        out = y.new_zeros(B * T, C).index_add_(0, token, y * weight[:, None].to(y.dtype))
+        return self.dropout(out.view(B, T, C))
+
+
+def objective(model: nn.Module, loss: torch.Tensor, aux_weight: float, z_weight: float):
+    """(what a micro-batch back-propagates, the router's numbers): the language-model loss + aux_weight x aux +
+    z_weight x z, and (aux, z, dropped) detached; for a dense model the loss and no numbers."""
+    losses = router_losses(model)
+    if losses is None:
+        return loss, loss.new_zeros(0).float()
+    aux, z, _ = losses
+    return loss + aux_weight * aux + z_weight * z, torch.stack(losses).detach().float()
+
+
+def router_losses(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(aux, z, dropped) of the last forward, each the mean over the model's MoE layers; None without any."""
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    if not layers:
+        return None
+    return tuple(torch.stack([getattr(m, what) for m in layers]).mean() for what in ("aux", "z", "dropped"))
+
+
+def is_moe_layer(i: int, every: int) -> bool:
+    """Every `every`-th block has experts, the last of each group: every=2 puts them in blocks 1, 3, ..."""
+    return (i + 1) % every == 0
+
+
+def moe_layers(n_layer: int, n_experts: int, every: int) -> int:
+    return sum(is_moe_layer(i, every) for i in range(n_layer)) if n_experts else 0
+
+
+def param_delta(cfg, dense_mlp: int) -> int:
+    """Parameters an MoE model has beyond its dense twin: per MoE layer E - 1 more MLPs and the router."""
+    n = moe_layers(cfg.n_layer, cfg.moe_experts, cfg.moe_every)
+    return n * ((cfg.moe_experts - 1) * dense_mlp + cfg.moe_experts * cfg.n_embd)
+
+
+def active_matmul_delta(cfg, dense_matrices: int) -> int:
+    """Matmul weights a token uses beyond the dense twin's: per MoE layer k - 1 more MLPs and the router."""
+    n = moe_layers(cfg.n_layer, cfg.moe_experts, cfg.moe_every)
+    return n * ((cfg.moe_top_k - 1) * dense_matrices + cfg.moe_experts * cfg.n_embd)
+
+
+# ----------------------------------------------------------------------------- expert parallelism
+
+
+class AllToAll(torch.autograd.Function):
+    """Rows to the ranks of the ep group, `send[r]` of them to rank r, `recv[r]` arriving from it; the
+    backward sends the gradients back the same way. `own`: the rows that are this rank's tokens (counted
+    by the grid, both ways; module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, grid, send, recv, own):
+        ctx.grid, ctx.send, ctx.recv, ctx.own = grid, send, recv, own
+        out = x.new_empty(sum(recv), x.size(1))
+        grid.all_to_all(out, x.contiguous(), "ep", out_splits=recv, in_splits=send, nbytes=own * x[:1].nbytes)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = grad.new_empty(sum(ctx.send), grad.size(1))
+        ctx.grid.all_to_all(out, grad.contiguous(), "ep", out_splits=ctx.send, in_splits=ctx.recv,
+                            nbytes=ctx.own * grad[:1].nbytes)
+        return out, None, None, None, None
+
+
+class ExpertParallel:
+    """MoE.exchange under --ep: rows sorted by (global) expert go to the rank holding it, run there,
+    and come back in the order they left."""
+
+    def __init__(self, grid):
+        self.grid = grid
+
+    def __call__(self, experts: Experts, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        grid, ep = self.grid, self.grid.ep
+        local = len(counts) // ep  # experts per rank
+        sent = torch.tensor(counts, device=rows.device).view(ep, local)  # [rank, its expert]: rows sent
+        got = torch.empty_like(sent)
+        grid.all_to_all(got, sent, "ep")  # got[s, j]: rows rank s sends to my expert j
+        got_list = got.tolist()
+        send, recv = sent.sum(1).tolist(), [sum(row) for row in got_list]
+        arrived = AllToAll.apply(rows, grid, send, recv, sum(send))  # by source rank, then expert
+        # regroup by local expert (rows from each source stay in order), run, and put back
+        expert_of = torch.arange(local, device=rows.device).repeat(ep).repeat_interleave(got.flatten())
+        order = torch.argsort(expert_of, stable=True)
+        y = torch.zeros_like(arrived).index_copy(0, order, experts(arrived[order], got.sum(0).tolist()))
+        return AllToAll.apply(y, grid, recv, send, sum(send))
