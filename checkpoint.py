@@ -85,7 +85,7 @@ def tensor_entries(model: torch.nn.Module, opt, grid) -> dict[str, tuple]:
         if grid.owns(p) and not weights_sharded(opt):  # ZeRO-3: the fp32 masters below are the weights
             out[name] = entry(p, name, p)
     if grid.tp_rank == 0 and grid.dp_cp_rank == 0:  # --precision fp8: the scales, the same on all those ranks
-        for key, t in fp8.checkpoint_tensors(fp8_states(model)).items():
+        for key, t in fp8.checkpoint_tensors(fp8.states(model)).items():
             out[key] = entry(t, key, t)
     if isinstance(opt, ZeroAdamW):  # ZeRO: this rank's flat slices of the moments and master weights
         for name, p, kind, (a, z), t in opt.pieces(model):
@@ -98,11 +98,6 @@ def tensor_entries(model: torch.nn.Module, opt, grid) -> dict[str, tuple]:
             for kind in ("exp_avg", "exp_avg_sq"):
                 out[f"{name}::{kind}"] = entry(state[kind], f"{name}::{kind}", p)
     return out
-
-
-def fp8_states(model: torch.nn.Module) -> list:
-    """(module name, Fp8LinearState) of every Linear that --precision fp8 gave one."""
-    return [(name, m.fp8) for name, m in model.named_modules() if getattr(m, "fp8", None) is not None]
 
 
 def weights_sharded(opt) -> bool:
@@ -241,7 +236,7 @@ def load(reader: Reader, model, opt, grid) -> dict:
         for kind in ("exp_avg", "exp_avg_sq", "master"):
             if f"{key}::{kind}" in reader:
                 moments[name, kind] = local_part(reader.full(f"{key}::{kind}"), p, torch.float32, "cpu")
-    states = fp8_states(model)
+    states = fp8.states(model)
     scales = {key: reader.full(key) for key in fp8.checkpoint_tensors(states) if key in reader}
     mine = reader.rank_state(grid.rank) if manifest["layout"] == layout_of(grid) else None
     for name in params:  # ZeRO's masters start from the weights when the checkpoint kept none

@@ -397,13 +397,18 @@ def _reduce_over(grid, groups: list[str]) -> ReduceMax | None:
     return reduce_max
 
 
+def states(model: torch.nn.Module) -> list:
+    """(module name, Fp8LinearState) of every Linear that `enable` gave one."""
+    return [(name, m.fp8) for name, m in model.named_modules() if getattr(m, "fp8", None) is not None]
+
+
 def end_step(model: torch.nn.Module, grid, recipe: str) -> list[torch.Tensor]:
     """After the optimizer step: every scaling rolls its step into its history. Under delayed scaling the
     next scale must be the one a single process would take, so each amax is first the max over every rank
     that cast a part of that tensor this step: one all-reduce MAX over tp, one over dp x cp, of 4 bytes per
     role per Linear this rank holds. Returns [this rank's saturated elements in the step] (a float on the
     device, read with the step's other numbers), or [] for a model without fp8."""
-    scalings = [s for m in model.modules() if getattr(m, "fp8", None) is not None for s in m.fp8.roles().values()]
+    scalings = [s for _, state in states(model) for s in state.roles().values()]
     if not scalings:
         return []
     overflow = sum((s.overflow for s in scalings), torch.zeros((), dtype=torch.int64, device=grid.device))

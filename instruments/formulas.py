@@ -18,6 +18,7 @@ from collections import defaultdict
 
 import torch
 
+import fp8
 import gradients
 import model as gpt
 import moe
@@ -110,7 +111,7 @@ def fp8_traffic(grid: Grid, layers: int, n_micro: int, recompute: str, recipe: s
 
 def first_fp8_step(model: torch.nn.Module) -> bool:
     """Whether the step just taken was the first of the fp8 scalings (fp8.end_step has counted it)."""
-    return any(m.fp8.x.updates == 1 for m in model.modules() if getattr(m, "fp8", None) is not None)
+    return any(state.x.updates == 1 for _, state in fp8.states(model))
 
 
 def expert_traffic(cfg: gpt.GPTConfig, model: torch.nn.Module, n_micro: int) -> dict:

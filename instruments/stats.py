@@ -46,6 +46,7 @@ It reads and never writes: the losses of a run are bitwise the same with and wit
 
 import torch
 
+import fp8
 from gradients import GradSync
 from model import in_backward
 from parallel import Grid
@@ -174,7 +175,7 @@ class LayerStats(Observer):
 
     def fp8_amax(self) -> dict:
         """Per block, the step's largest x and output gradient its fp8 Linears cast (empty without fp8)."""
-        states = [(name, m.fp8) for name, m in self.model.named_modules() if getattr(m, "fp8", None) is not None]
+        states = fp8.states(self.model)
         if not states:
             return {}
         amax = torch.zeros(2, len(self.layers), device=self.grid.device)

@@ -373,7 +373,7 @@ def test_data_and_pipeline_layouts_in_fp8_reproduce_one_process(layout, fp8_refe
 
 
 def fp8_scales(out) -> dict:
-    """The checkpointed fp8 state of every Linear's roles, by key (checkpoint.fp8_states)."""
+    """The checkpointed fp8 state of every Linear's roles, by key (fp8.states, checkpoint.tensor_entries)."""
     import checkpoint
     reader = checkpoint.pin(checkpoint.latest(out / "ckpt"))
     return {k: reader.full(k) for k in reader.entries if "::fp8." in k}
