@@ -307,13 +307,12 @@ def check_moe(cfg: TrainConfig) -> None:
     if cfg.moe_experts % cfg.ep:
         raise ConfigError(f"--ep {cfg.ep} does not divide the {cfg.moe_experts} experts (--moe-experts): every "
                           "expert-parallel rank holds as many")
-    unsupported = {"--sp": cfg.sp, "--pp": cfg.pp > 1, "--cp": cfg.cp > 1,
-                   "--recompute full": cfg.recompute == "full", "--init-from": bool(cfg.init_from),
-                   "--zero 3 with --ep": cfg.zero == 3 and cfg.ep > 1,
+    unsupported = {"--sp": cfg.sp, "--init-from": bool(cfg.init_from),
                    f"--precision {cfg.precision}": stability.PRECISIONS[cfg.precision].fp8}
     if given := [flag for flag, on in unsupported.items() if on]:
         raise ConfigError(f"{', '.join(given)} with --moe-experts: not supported yet (mixture of experts runs with "
-                          "data, expert and tensor parallelism, ZeRO 1 and 2 (3 without --ep), --recompute selective)")
+                          "data, expert, tensor, pipeline and context parallelism, ZeRO, "
+                          "recomputation)")
 
 
 def check_schedule(cfg: TrainConfig) -> None:

@@ -125,6 +125,27 @@ class ContextParallelLoss(nn.Module):
         return self.inner(x, weight, split_sequence(targets, self.grid) if self.grid.cp_on else targets)
 
 
+class SequenceChoices:
+    """MoE.gather (moe.py) under context parallelism: an expert's capacity counts a whole sequence's
+    assignments, earliest first, and the balance loss the whole sequence's shares, so every cp rank needs
+    every token's choices. One all-gather of them (k int64 per token, small beside the activations), put in
+    sequence order; then each rank drops exactly the tokens one process would."""
+
+    def __init__(self, grid: Grid):
+        self.grid = grid
+
+    def __call__(self, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        g = self.grid
+        if not g.cp_on:
+            return experts, None
+        B, t, k = experts.shape  # this rank's t = T/cp tokens
+        gathered = experts.new_empty(g.cp * B, t, k)  # rank by rank
+        g.all_gather(gathered, experts.contiguous(), "cp")
+        _, back = rank_order(t * g.cp, g.cp, experts.device)
+        whole = gathered.view(g.cp, B, t, k).transpose(0, 1).reshape(B, t * g.cp, k)[:, back]
+        return whole, positions(t * g.cp, g.cp, g.cp_rank, experts.device)
+
+
 # ----------------------------------------------------------------------------- attention on one block
 
 
@@ -396,6 +417,8 @@ def apply_context_parallel(model: nn.Module, grid: Grid) -> None:
         block.attn.core = core(grid, block.attn.backend)
         if block.attn.positions is not None:  # RoPE: rotate by global positions
             block.attn.positions = ContextParallelPositions(grid)
+        if hasattr(block.mlp, "gather"):  # experts (moe.MoE): capacity over whole sequences
+            block.mlp.gather = SequenceChoices(grid)
     model.transformer.wte.register_forward_pre_hook(split_input(grid, dim=1))  # ids (B, T) -> (B, T/cp)
     if "wpe" in model.transformer:  # GPT-2's table
         model.transformer.wpe.register_forward_pre_hook(split_input(grid, dim=0))  # positions (T,) -> (T/cp,)

@@ -28,7 +28,9 @@ same tokens and computes the same losses as one process (DESIGN.md, principle 3)
                  router's logits small, so its softmax stays in fp32's comfortable range
 
 The objective is the language-model loss + a * aux + z * z_loss, each router loss the mean over the
-model's MoE layers (so `--moe-aux-loss` means the same at any depth); train.py reports them apart.
+model's MoE layers (so `--moe-aux-loss` means the same at any depth); train.py reports them apart. The
+router's losses are not added to the loss: each layer hands its own to the backward (RouterLoss), so a
+pipeline stage, which never sees the loss, and a block recomputed for its backward train their routers too.
 
 Expert parallelism (`--ep N`, DeepSpeed-MoE and Megatron's layout): the data-parallel ranks are cut into
 groups of N (the `ep` group); each rank of a group holds E / N of the experts, and the group as a whole
@@ -39,12 +41,13 @@ holds all of them. Tokens go to their expert and come back with two all-to-alls:
         ─▶ rows regrouped by local expert ─▶ experts ─▶ back to arrival order
         ─▶ combine: the inverse all-to-all ─▶ un-permute, weight, sum
 
-Everything else is replicated over the whole data-parallel group as before. An expert's gradient already
-sums the losses of every rank of its ep group (their tokens came to it), so it is all-reduced over the
-dp / N ranks that hold the *same* experts (`edp`, Megatron's expert-data-parallel group) and divided by dp:
-the mean over all dp ranks, as every other gradient. Averaging it over all of dp instead (the classic bug)
-would add up the gradients of different experts. Under ZeRO 1 and 2 the experts' optimizer state and
-gradients are sharded over that same edp group, the rest over dp (gradients.py, zero.py).
+Everything else is replicated over the whole data-parallel group as before. An expert's gradient already sums
+the losses of every rank of its ep group (their tokens came to it), so it is all-reduced over the dp / N ranks
+that hold the *same* experts (`edp`, Megatron's expert-data-parallel group) and divided by dp: the mean over
+all dp ranks, as every other gradient (with --cp: over dp / N x cp, divided by dp x cp). Averaging it over all
+of dp instead (the classic bug) would add up the gradients of different experts. Under ZeRO the experts'
+optimizer state, gradients and (ZeRO 3) weights are sharded over that same edp group, the rest over dp
+(gradients.py, zero.py).
 
 Tensor parallelism leaves the experts whole, replicated on every tp rank (shard.py skips them): the MoE's
 input, the LayerNorm's output, is replicated there too, so each rank routes the same tokens the same way
@@ -56,17 +59,24 @@ the counts keep fixed shapes (dropped assignments go to a last bin rather than b
 read, which the splits need, is the one graph break (torch._dynamo.explain on one layer: 2 graphs, 1
 break); under --ep the all-to-alls, Python calls of the grid, run between graphs too (not measured).
 
+Context parallelism (--cp) splits every sequence over ranks, and capacity and the balance loss are per
+sequence: each MoE layer all-gathers its tokens' choices over cp (context.SequenceChoices), so every rank
+queues a whole sequence's assignments and drops what one process would; f, the shares, is the whole
+sequence's, P the rank's own tokens', and the mean of the cp ranks' losses is the one-process loss. With
+--ep as well, an ep group's ranks share a cp rank, and the experts' gradients meet over edp x cp.
+
 Not built yet, and refused in one line (config.check_moe): experts with sequence parallelism (each tp
-rank would see a slice of every sequence, and capacity is per sequence), pipeline or context parallelism,
---recompute full (its re-run forward is not recorded, and the router's losses live in it), --init-from,
-and ZeRO 3 with --ep.
+rank would see a slice of every sequence, and tensor parallelism replicates the experts on whole ones),
+--init-from, and ZeRO 3 with --ep.
 
 Traffic, counted per rank (--comm-report): each all-to-all of rows counts the bytes of *this rank's own*
 token rows (dispatch: the rows it sends; combine: the rows it gets back; the backward's two the same), that
 is kept_assignments x C x 4 bytes in fp32. Without dropping every token keeps its k choices, so per MoE
 layer and micro-batch: 2 forward + 2 backward all-to-alls of b T k C x 4 bytes each, plus one exchange of
-the E int64 counts (forward only). The bytes that cross the links are (N-1)/N of that when the routing is
-even (the report's last column); how many rows a rank *receives* depends on the routing and is not counted.
+the E int64 counts (forward only); --recompute full runs the forward's three again in the backward. Under
+--cp each MoE forward also all-gathers b T k int64 choices over cp. The bytes that cross the links are
+(N-1)/N of that when the routing is even (the report's last column); how many rows a rank *receives*
+depends on the routing and is not counted.
 With dropping on, a rank sends only its kept assignments: fewer bytes than the formula says.
 """
 
@@ -93,21 +103,27 @@ class Routing:
     load: torch.Tensor  # (E,) assignments per expert, before dropping
 
 
-def route(logits: torch.Tensor, k: int, factor: float) -> Routing:
-    """Top-k routing of logits (B, T, E), fp32, with per-sequence capacity and losses (module docstring)."""
+def route(logits: torch.Tensor, k: int, factor: float, gather=None) -> Routing:
+    """Top-k routing of logits (B, T, E), fp32, with per-sequence capacity and losses (module docstring).
+    `gather` (context parallelism, where T is this rank's slice of each sequence): this rank's choices ->
+    (the whole sequences' choices in sequence order, where this rank's tokens sit in them)."""
     B, T, E = logits.shape
     probs = logits.softmax(-1)  # (B, T, E)
     weights, experts = probs.topk(k, dim=-1)  # (B, T, k) each
     if k > 1:
         weights = weights / weights.sum(-1, keepdim=True)
-    chosen = F.one_hot(experts.view(B, T * k), E)  # (B, T k, E), in (position, choice) order
+    every, mine = (experts, None) if gather is None else gather(experts)  # (B, S, k): whole sequences
+    S = every.size(1)
+    chosen = F.one_hot(every.reshape(B, S * k), E)  # (B, S k, E), in (position, choice) order
     # an assignment's place in its expert's queue for this sequence: earlier tokens first
-    place = (chosen.cumsum(1) * chosen).sum(-1) - 1  # (B, T k)
-    keep = (place < capacity(T, k, E, factor)).view(B, T, k)
-    load = chosen.sum(1).float()  # (B, E)
-    aux = E * ((load / (T * k)) * probs.mean(1)).sum(-1).mean()
+    place = (chosen.cumsum(1) * chosen).sum(-1) - 1  # (B, S k)
+    keep = (place < capacity(S, k, E, factor)).view(B, S, k)
+    f = chosen.sum(1).float() / (S * k)  # (B, E): the share of each sequence's assignments, all its tokens'
+    aux = E * (f * probs.mean(1)).sum(-1).mean()  # P, the router's mean probability: over this rank's tokens
     z = torch.logsumexp(logits, -1).square().mean()
-    return Routing(experts, weights, keep, aux, z, load.sum(0))
+    if mine is not None:  # this rank's tokens; each cp rank's aux has the whole f and its own P, and their mean
+        keep, chosen = keep[:, mine], F.one_hot(experts.reshape(B, T * k), E)  # (over cp) is the whole aux
+    return Routing(experts, weights, keep, aux, z, chosen.sum((0, 1)).float())
 
 
 class Stacked(nn.Module):
@@ -152,8 +168,9 @@ class Experts(nn.Module):
 class MoE(nn.Module):
     """A block's MLP as routed experts. After each forward it keeps what the router decided, for the
     loss and the reports: `aux`, `z` (scalars), `load` (assignments per expert) and `dropped` (the fraction
-    of assignments over capacity). `exchange` is expert parallelism's seam: None on one rank; an ExpertParallel (which
-    shard.py sets) sends the rows to the ranks of their experts and back."""
+    of assignments over capacity), of this rank's tokens. `exchange` is expert parallelism's seam: None on one
+    rank; an ExpertParallel (which shard.py sets) sends the rows to the ranks of their experts and back.
+    `gather` is context parallelism's (context.SequenceChoices): capacity counts whole sequences."""
 
     def __init__(self, n_embd: int, hidden: int, swiglu: bool, n_experts: int, top_k: int,
                  capacity_factor: float, dropout: float = 0.0):
@@ -162,16 +179,25 @@ class MoE(nn.Module):
         self.router = nn.Linear(n_embd, n_experts, bias=False)
         self.experts = Experts(n_experts, n_embd, hidden, swiglu)
         self.dropout = nn.Dropout(dropout)
-        self.exchange = None
+        self.exchange = self.gather = None
         self.aux = self.z = self.load = self.dropped = None
         self.rows_sent = 0  # kept assignments of the training forwards so far: what --comm-report's formula counts
+        self.loss_weights = (0.0, 0.0)  # the objective's weights of aux and z, over the model's MoE layers (train_with)
+        self.backward_scale = 1.0  # what the backward multiplies this micro-batch's objective by (begin_step)
+        self.step_sums, self.step_forwards = None, 0  # (aux, z, dropped) summed over the step's training forwards
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
         with torch.autocast(x.device.type, enabled=False):  # the router in fp32, whatever the precision
             logits = F.linear(x.float(), self.router.weight.float())  # (B, T, E)
-        r = route(logits, self.top_k, self.capacity_factor)
+        r = route(logits, self.top_k, self.capacity_factor, self.gather)
         self.aux, self.z, self.load, self.dropped = r.aux, r.z, r.load, (~r.keep).float().mean()
+        # a training forward counts once: not the forward --recompute full runs again inside the backward
+        first_run = self.training and torch._C._current_graph_task_id() == -1  # (model.in_backward)
+        if first_run:
+            numbers = torch.stack([r.aux, r.z, self.dropped]).detach()
+            self.step_sums = numbers if self.step_sums is None else self.step_sums + numbers
+            self.step_forwards += 1
         # every assignment (token, choice) by expert, in token order within one; dropped ones in a last bin
         expert = torch.where(r.keep, r.experts, self.n_experts).flatten()  # (B T k,)
         order = torch.argsort(expert, stable=True)
@@ -181,27 +207,68 @@ class MoE(nn.Module):
         # the ops above keeping their shapes fixed until here)
         *counts, _ = counts.tolist()
         kept = sum(counts)
-        self.rows_sent += kept if torch.is_grad_enabled() else 0
+        self.rows_sent += kept if first_run else 0
         token, weight = order[:kept] // self.top_k, r.weights.flatten()[order[:kept]]  # (kept,) each
         rows = x.reshape(B * T, C)[token]  # (kept, C)
         y = self.experts(rows, counts) if self.exchange is None else self.exchange(self.experts, rows, counts)
         out = y.new_zeros(B * T, C).index_add_(0, token, y * weight[:, None].to(y.dtype))
+        a, z = self.loss_weights
+        if torch.is_grad_enabled() and (a or z):
+            out = RouterLoss.apply(out, a * r.aux + z * r.z, self.backward_scale)
         return self.dropout(out.view(B, T, C))
 
 
-def objective(model: nn.Module, loss: torch.Tensor, aux_weight: float, z_weight: float):
-    """(what a micro-batch back-propagates, the router's numbers): the language-model loss + aux_weight x aux +
-    z_weight x z, and (aux, z, dropped) detached; for a dense model the loss and no numbers."""
-    losses = router_losses(model)
-    if losses is None:
-        return loss, loss.new_zeros(0).float()
-    aux, z, _ = losses
-    return loss + aux_weight * aux + z_weight * z, torch.stack(losses).detach().float()
+class RouterLoss(torch.autograd.Function):
+    """`out` as it is; its backward also starts the backward of the router's `loss`, with gradient `weight`:
+    the same gradients as if weight x loss had been added to what the step back-propagates (Megatron's way
+    of carrying an auxiliary loss). So the router's losses need no path to the end of the model: a pipeline
+    stage back-propagates its own layers' (they never reach the last stage's loss), and a block recomputed
+    for its backward (--recompute full: its first forward keeps no graph) makes them again as it runs."""
+
+    @staticmethod
+    def forward(ctx, out, loss, weight):
+        ctx.weight = weight
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, grad.new_full((), ctx.weight, dtype=torch.float32), None
+
+
+def train_with(model: nn.Module, aux_weight: float, z_weight: float) -> None:
+    """The objective is the language-model loss + aux_weight x aux + z_weight x z, each router loss the mean
+    over the model's MoE layers (the whole model's: a pipeline stage holds some of them)."""
+    n = moe_layers(model.config.n_layer, model.config.moe_experts, model.config.moe_every)
+    for m in layers_of(model):
+        m.loss_weights = (aux_weight / n, z_weight / n)
+
+
+def begin_step(model: nn.Module, backward_scale: float) -> None:
+    """Before a step's micro-batches: the scale their backward applies to the objective (the loss scale over
+    the number of micro-batches), and the step's router numbers from zero."""
+    for m in layers_of(model):
+        m.backward_scale, m.step_sums, m.step_forwards = backward_scale, None, 0
+
+
+def step_numbers(model: nn.Module) -> torch.Tensor:
+    """This rank's share of the step's (aux, z, dropped), each the mean over micro-batches and over the whole
+    model's MoE layers: the sum over this rank's layers of their means, over all the model's layers (so a sum
+    over the pipeline stages is the mean); empty for a dense model."""
+    cfg, device = model.config, next(model.parameters()).device
+    if not cfg.moe_experts:
+        return torch.zeros(0, device=device)
+    mine = [m.step_sums / m.step_forwards for m in layers_of(model) if m.step_forwards]
+    return torch.stack(mine).sum(0) / moe_layers(cfg.n_layer, cfg.moe_experts, cfg.moe_every) if mine \
+        else torch.zeros(3, device=device)
+
+
+def layers_of(model: nn.Module) -> list["MoE"]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
 
 
 def router_losses(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """(aux, z, dropped) of the last forward, each the mean over the model's MoE layers; None without any."""
-    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    layers = layers_of(model)
     if not layers:
         return None
     return tuple(torch.stack([getattr(m, what) for m in layers]).mean() for what in ("aux", "z", "dropped"))

@@ -16,6 +16,8 @@ dp/ep ranks that hold the same experts (ep_rank = dp_rank % ep), over which thei
 
     dp=4, ep=2:   ep groups {dp 0, 1} {dp 2, 3}     edp groups {dp 0, 2} {dp 1, 3}
 
+(With --cp too, an ep group's ranks share a cp rank, and edp spans the cp ranks as well: dp/ep x cp.)
+
 With --cp (context parallelism, context.py) the cp ranks of one data-parallel rank read the same
 sequences and each keeps a slice of every one; their weights are replicas, so gradients are averaged
 over the `dp_cp` group of all dp x cp ranks that hold the same shard (Megatron's "data parallel
@@ -140,8 +142,8 @@ class Grid:
 
     @property
     def edp_rank(self) -> int:
-        """This rank's place among the dp / ep ranks that hold the same experts (their `edp` group)."""
-        return self.dp_rank // self.ep
+        """This rank's place among the dp / ep x cp ranks that hold the same experts (their `edp` group)."""
+        return self.dp_rank // self.ep * self.cp + self.cp_rank
 
     @property
     def dp_cp(self) -> int:
@@ -201,12 +203,12 @@ class Grid:
         rank 0, one that data (and context) parallelism replicates on dp_cp rank 0 (unless ZeRO split
         it over them: `replicated_over_dp=False`), and the pipeline's copy of the tied embedding never.
         Counting a replica twice is the classic clipping bug of model parallelism. An expert's weights
-        (`expert`) are split over the ep ranks, and copied on the dp / ep groups of them and on the tp ranks:
-        tp rank 0's of the first group count."""
+        (`expert`) are split over the ep ranks, and copied on the dp / ep groups of them, the cp and the tp
+        ranks: tp and cp rank 0's of the first group count."""
         if getattr(p, "tied_copy", False):
             return False
-        if getattr(p, "expert", False):  # split over ep; copies over tp and the dp / ep groups: the first's count
-            return (self.dp_rank < self.ep or not replicated_over_dp) and self.tp_rank == 0
+        if getattr(p, "expert", False):  # split over ep; copies over tp, cp and the dp / ep groups
+            return (self.dp_rank < self.ep and self.cp_rank == 0 or not replicated_over_dp) and self.tp_rank == 0
         sharded_tp = getattr(p, "shard", None) is not None
         return (self.dp_cp_rank == 0 or not replicated_over_dp) and (sharded_tp or self.tp_rank == 0)
 
@@ -251,7 +253,8 @@ class Grid:
     # Every collective in the codebase goes through these methods, and each through `collective`.
     def size(self, group: str) -> int:
         return {"tp": self.tp, "dp": self.dp, "pp": self.pp, "cp": self.cp, "dp_cp": self.dp_cp,
-                "world": self.world, "embed": 2 if self.pp > 1 else 1, "ep": self.ep, "edp": self.dp // self.ep}[group]
+                "world": self.world, "embed": 2 if self.pp > 1 else 1, "ep": self.ep,
+                "edp": self.dp // self.ep * self.cp}[group]
 
     def label(self, group: str) -> str:
         """The group's name in reports: the dp x cp group is plain "dp" when there is no context parallelism."""
@@ -416,7 +419,7 @@ def connect(grid: Grid, timeout_s: float = 300) -> None:
     if grid.ep > 1:  # dp ranks in groups of ep consecutive ones (ep), and the same place in each group (edp)
         experts = ids.view(pp, grid.dp // grid.ep, grid.ep, cp, tp)
         layouts["ep"] = experts.permute(0, 1, 3, 4, 2).reshape(-1, grid.ep)
-        layouts["edp"] = experts.permute(0, 2, 3, 4, 1).reshape(-1, grid.dp // grid.ep)
+        layouts["edp"] = experts.permute(0, 2, 4, 1, 3).reshape(-1, grid.dp // grid.ep * cp)
     if pp > 1:  # the first and last stage both hold the tied embedding
         layouts["embed"] = torch.stack([ids[0], ids[-1]], dim=-1).reshape(-1, 2)
     layouts["world"] = ids.reshape(1, world)

@@ -128,7 +128,6 @@ class Run:
     skip_batches: list = field(default_factory=list)  # global batch numbers the spike guard skips
     batches_drawn: int = 0
     spikes: list = field(default_factory=list)  # (step, batch) of rollbacks since the run last got past one
-    router: torch.Tensor | None = None  # experts: this step's router numbers on this rank (moe.objective); dense: ()
 
     @property
     def autocast(self):
@@ -204,7 +203,7 @@ def setup(cfg: config.TrainConfig, arch: dict | None = None, init_values=None) -
         log(str(grid))
     data_sha256 = ", ".join(f"{s} {data.shard_sha256(prepared / f'{s}.bin')[:16]}" for s in ("train", "val"))
     return Run(cfg, device, precision, grid, tok, model_cfg, model, opt, scaler, loader, val, guard, saver, run_id,
-               data_sha256, log, lock=lock, sync=sync, pipe=stages, gather=gather, router=torch.zeros(0, device=device))
+               data_sha256, log, lock=lock, sync=sync, pipe=stages, gather=gather)
 
 
 def build_model_and_optimizer(cfg: config.TrainConfig, grid: parallel.Grid, model_cfg: gpt.GPTConfig,
@@ -224,6 +223,7 @@ def build_model_and_optimizer(cfg: config.TrainConfig, grid: parallel.Grid, mode
         with torch.no_grad():
             for p in model.parameters():
                 p.copy_(value(p))
+    moe.train_with(model, cfg.moe_aux_loss, cfg.moe_z_loss)  # experts: the router losses' weights
     if stability.PRECISIONS[cfg.precision].fp8:
         fp8.enable(model, grid, cfg.fp8_recipe, cfg.fp8_amax_history)
     if cfg.compile:
@@ -257,6 +257,7 @@ def forward_backward(run: Run, batch: torch.Tensor) -> torch.Tensor:
     """Gradient accumulation over micro-batches (or a pipeline schedule over them); returns this
     rank's mean loss over its micro-batches (0 on pipeline stages without the loss)."""
     micro = batch.split(run.cfg.micro_batch_size)  # rows of T + 1 tokens: inputs and next-token targets
+    moe.begin_step(run.model, run.scaler.scale / len(micro))  # experts: their router losses' share (moe.RouterLoss)
     with cast_once(run):
         return accumulate(run, micro, train=True, scale=run.scaler.scale)
 
@@ -277,11 +278,9 @@ def accumulate(run: Run, micro: list[torch.Tensor], train: bool, scale: float = 
             run.sync.require_backward_grad_sync = i == len(micro) - 1
         with run.grid.observer.span("F"), run.autocast:
             _, loss = run.model(mb[:, :-1], mb[:, 1:])
-        if train:  # with experts, the router's losses join the objective (moe.py)
-            objective, router = moe.objective(run.model, loss, run.cfg.moe_aux_loss, run.cfg.moe_z_loss)
-            run.router = router / len(micro) + (run.router if i else 0)
+        if train:
             with run.grid.observer.span("B"):
-                (objective * (scale / len(micro))).backward()
+                (loss * (scale / len(micro))).backward()
         total += loss.detach().float() / len(micro)
     return total
 
@@ -297,7 +296,8 @@ def train_step(run: Run) -> dict:
     batch_number, batch = next_batch(run)
     local_loss = forward_backward(run, batch)
     gradients.finish_grads(run.model, run.grid, run.sync)
-    loss, *router = global_loss(run.grid, torch.cat([local_loss[None], run.router]))  # after the gradients; 0-d each
+    # after the gradients; 0-d each (experts: and the router's aux, z, dropped)
+    loss, *router = global_loss(run.grid, torch.cat([local_loss[None], moe.step_numbers(run.model)]))
     grads = gradients.local_grads(run.model, run.sync)
     run.scaler.unscale_(grads)
     norm = gradients.grad_norm(run.model, run.grid, run.sync)

@@ -23,9 +23,11 @@ flat buffer of which each rank keeps 1/N. Around each use:
     backward  gather unit i again ─▶ start gathering unit i-1 ─▶ backward of i ─▶ reduce-scatter its
               gradients (gradients.GradSync) ─▶ free i
 
-so at most two units are whole at once, and each all-gather is in flight while the unit before it
-computes. Between uses a parameter keeps its shape but not its values (`placeholder`: one element,
-broadcast), so code that only asks for shapes works, and a write to it fails loudly.
+so at most two units are whole at once, and each all-gather is in flight while the unit before it computes.
+(Under expert parallelism a block's experts are a unit of their own, sharded over `edp`, that moves with its
+block: two all-gathers where there was one.) Between uses a parameter keeps its shape but not its values
+(`placeholder`: one element, broadcast), so code that only asks for shapes works, and a write to it fails
+loudly.
 
 Freeing must free the memory, not just the name. Autograd keeps what a matmul's backward needs: for
 y = x Wᵀ that includes a view of W, so of the unit's gathered buffer. Dropping our reference would leave
@@ -170,12 +172,19 @@ def shard_of(b: Bucket, s: slice, value) -> torch.Tensor:
 
 def units(model: torch.nn.Module) -> list[list[torch.nn.Parameter]]:
     """ZeRO-3's units, in forward order: the embeddings and the final LayerNorm (the tied wte is the
-    output layer too; an untied output layer, Llama's, joins them), then one per block."""
+    output layer too; an untied output layer, Llama's, joins them), then one per block. Under expert
+    parallelism a block's experts are a unit of their own, right after the rest of the block: they are
+    sharded over another group (edp, gradients.py), so they are another buffer and another all-gather."""
     t = model.transformer
     root = [*t.wte.parameters(), *(t.wpe.parameters() if "wpe" in t else []), *t.ln_f.parameters()]
     if not model.config.tied:
         root += list(model.lm_head.parameters())
-    return [root] + [list(block.parameters()) for block in t.h]
+    out = [root]
+    for block in t.h:
+        params = list(block.parameters())
+        experts = [p for p in params if getattr(p, "expert", False)]
+        out += [[p for p in params if not getattr(p, "expert", False)]] + ([experts] if experts else [])
+    return out
 
 
 class _BeforeBackward(torch.autograd.Function):
@@ -213,12 +222,18 @@ class ParamGather:
     def __init__(self, model: torch.nn.Module, opt: ZeroAdamW, compiled: bool = False):
         sync = opt.sync
         self.grid, self.sync = sync.grid, sync
-        self.units: list[Unit] = []  # forward order: root, block 0, block 1, ...
+        self.units: list[Unit] = []  # forward order: root, block 0, (block 0's experts,) block 1, ...
+        self.parts: list[list[int]] = []  # the units each use gathers: [root], [block 0(, its experts)], ...
         for b, st in zip(sync.buckets[::-1], opt.shards[::-1]):
             buffer = torch.empty(b.padded, dtype=st["flat"].dtype, device=b.device)
             buffer.untyped_storage().resize_(0)
             self.units.append(Unit(b, st["flat"], buffer))
-        t, last = model.transformer, len(self.units) - 1
+            if b.group == "edp":  # a block's experts: used with the rest of it
+                self.parts[-1].append(len(self.units) - 1)
+            else:
+                self.parts.append([len(self.units) - 1])
+        self.use_of = {j: i for i, part in enumerate(self.parts) for j in part}  # (the observer's events: by use)
+        t, last = model.transformer, len(self.parts) - 1
         # A compiled module runs its hooks inside its compiled call: gathering and freeing (collectives,
         # storage, bookkeeping) stay out of the graph, or torch.compile would trace them once per shape.
         eager = torch.compiler.disable if compiled else (lambda hook: hook)
@@ -233,7 +248,7 @@ class ParamGather:
             block.register_forward_pre_hook(eager(lambda m, args, i=i: self.use(i, prefetch=self._next(i))))
             block.register_forward_hook(eager(lambda m, args, out, i=i: self._after_block(i, out)))
         index = {id(u.bucket): i for i, u in enumerate(self.units)}
-        sync.on_reduced = lambda b: self.free(index[id(b)])
+        sync.on_reduced = lambda b: self.free_unit(index[id(b)])
         self.last = last
 
     def _next(self, i: int) -> int | None:
@@ -241,45 +256,51 @@ class ParamGather:
         after the last block), the previous in a backward (no further than block 0)."""
         if in_backward():
             return i - 1 if i > 1 else None
-        return i + 1 if i < len(self.units) - 1 else 0
+        return i + 1 if i < len(self.parts) - 1 else 0
 
     def gather(self, i: int) -> None:
-        """Start the all-gather of unit i's weights (asynchronous), unless it is whole or on its way."""
-        u = self.units[i]
-        if u.state != "free":
-            return
-        u.buffer.untyped_storage().resize_(u.bucket.padded * u.buffer.element_size())  # back from 0 bytes
-        u.state, u.gathering = "gathering", self.grid.all_gather(u.buffer, u.shard, "dp_cp", async_op=True)
-        self.grid.observer.gather_event("gather", i)
+        """Start the all-gathers of use i's weights (asynchronous), unless whole or on their way."""
+        for j in self.parts[i]:
+            u = self.units[j]
+            if u.state != "free":
+                continue
+            u.buffer.untyped_storage().resize_(u.bucket.padded * u.buffer.element_size())  # back from 0 bytes
+            u.state, u.gathering = "gathering", self.grid.all_gather(u.buffer, u.shard, u.bucket.group, async_op=True)
+            self.grid.observer.gather_event("gather", i)
 
-    def wait(self, i: int) -> None:
-        u = self.units[i]
+    def wait(self, j: int) -> None:
+        u = self.units[j]
         if u.state != "gathering":
             return
         landed = u.gathering is None or u.gathering.is_completed()  # already there: the gather was hidden
         if u.gathering is not None:
-            peer_call(u.gathering.wait, what=self.grid.describe("ZeRO-3's all_gather of weights", "dp_cp"))
+            peer_call(u.gathering.wait, what=self.grid.describe("ZeRO-3's all_gather of weights", u.bucket.group))
         u.state, u.gathering = "whole", None
         for p, view in u.bucket.views(u.buffer):
             p.data = view
-        self.grid.observer.gather_event("ready" if not landed else "ready (landed early)", i)
+        self.grid.observer.gather_event("ready" if not landed else "ready (landed early)", self.use_of[j])
 
     def use(self, i: int, prefetch: int | None) -> None:
-        """Before unit i computes: its weights whole, the next unit's on their way."""
+        """Before use i (the root, a block) computes: its weights whole, the next one's on their way."""
         self.gather(i)
-        self.wait(i)
+        for j in self.parts[i]:
+            self.wait(j)
         if prefetch is not None:
             self.gather(prefetch)
         self.grid.observer.gather_event("compute", i)
 
     def free(self, i: int) -> None:
-        u = self.units[i]
-        self.wait(i)  # a gather in flight writes into its buffer: let it land first
+        for j in self.parts[i]:
+            self.free_unit(j)
+
+    def free_unit(self, j: int) -> None:
+        u = self.units[j]
+        self.wait(j)  # a gather in flight writes into its buffer: let it land first
         u.state = "free"
         for p in u.bucket.params:
             p.data = placeholder(p.shape, u.shard.dtype, u.bucket.device)
         u.buffer.untyped_storage().resize_(0)  # the memory itself, under autograd's views too
-        self.grid.observer.gather_event("free", i)
+        self.grid.observer.gather_event("free", self.use_of[j])
 
     def _after_block(self, i: int, out: torch.Tensor):
         if in_backward():  # a recomputed forward (--recompute full): its backward follows at once

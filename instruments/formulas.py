@@ -48,13 +48,14 @@ def expected_traffic(cfg: gpt.GPTConfig, grid: Grid, micro_batch: int, n_micro: 
     btc, bt = micro_batch * seq_len * cfg.n_embd * 4, micro_batch * seq_len * 4
     if grid.tp > 1:
         per_micro = defaultdict(int)
-        again = 2 * layers * btc if cfg.recompute == "full" else 0  # the backward re-runs the forward's pairs
-        pairs = 4 * layers * btc  # (attention and MLP: an MoE's experts are replicated over tp, and talk not)
+        # each layer's attention and MLP end in a row-parallel all-reduce, forward and backward (an MoE's experts
+        # are replicated over tp, and talk not); --recompute full runs the forward's again in the backward
+        outputs = 2 * layers - sum(isinstance(m, moe.MoE) for m in model.modules())
+        pairs, again = 2 * outputs * btc, outputs * btc if cfg.recompute == "full" else 0
         if sp:
             per_micro[("all_gather", "tp")] += pairs + again + (btc if first else 0) + (btc if last else 0)
             per_micro[("reduce_scatter", "tp")] += pairs + again + (btc if last else 0)
         else:
-            pairs -= 2 * btc * sum(isinstance(m, moe.MoE) for m in model.modules())
             per_micro[("all_reduce", "tp")] += pairs + again + (btc if last else 0)
         per_micro[("all_reduce", "tp")] += (btc if first else 0) + (3 * bt if last else 0)
         for k, v in per_micro.items():
@@ -74,13 +75,16 @@ def expected_traffic(cfg: gpt.GPTConfig, grid: Grid, micro_batch: int, n_micro: 
         kv = layers * micro_batch * seq_len * cfg.kv_heads * cfg.head_dim * 4 // grid.tp  # K (or V) under GQA
         for k, v in context_traffic(grid, layers * btc // grid.tp, cfg.recompute, kv).items():
             e[k] += n_micro * v
+        if cfg.moe_experts:  # each MoE layer's forward gathers every token's k choices (context.SequenceChoices)
+            forwards = len(moe.layers_of(model)) * (2 if cfg.recompute == "full" else 1)
+            e[("all_gather", "cp")] += n_micro * forwards * micro_batch * seq_len * grid.cp * cfg.moe_top_k * 8
     if fp8_recipe:
         for k, v in fp8_traffic(grid, layers, n_micro, cfg.recompute, fp8_recipe, first_fp8_step(model)).items():
             e[k] += v
     if sync is not None and grid.dp_cp > 1:
         e.update(zero_traffic(sync, n_micro, next(model.parameters()).element_size()))
     if grid.ep > 1:
-        e.update(expert_traffic(cfg, model, n_micro))
+        e.update(expert_traffic(cfg, model, n_micro, cfg.recompute == "full"))
     zero = sync is not None and sync.zero
     norm_groups = ("tp", "pp") + (("dp_cp",) if zero else ()) + (() if zero else ("ep",))
     for group in norm_groups:
@@ -88,7 +92,7 @@ def expected_traffic(cfg: gpt.GPTConfig, grid: Grid, micro_batch: int, n_micro: 
             e[("all_reduce", group)] += 4  # the squared gradient norm (ep: of the experts)
     for group in ("pp", "dp_cp"):
         if grid.size(group) > 1:  # the loss (with experts: and aux, z, dropped), for logging and the guards
-            e[("all_reduce", group)] += 16 if cfg.moe_experts else 4  # (pipelines: experts refused)
+            e[("all_reduce", group)] += 16 if cfg.moe_experts else 4
     return {(op, grid.label(group)): v for (op, group), v in e.items()}
 
 
@@ -114,14 +118,16 @@ def first_fp8_step(model: torch.nn.Module) -> bool:
     return any(state.x.updates == 1 for _, state in fp8.states(model))
 
 
-def expert_traffic(cfg: gpt.GPTConfig, model: torch.nn.Module, n_micro: int) -> dict:
+def expert_traffic(cfg: gpt.GPTConfig, model: torch.nn.Module, n_micro: int, recomputed: bool) -> dict:
     """Bytes of expert parallelism's all-to-alls on this rank in one fp32 step (moe.py's docstring): per MoE
     layer, the rows of this rank's kept assignments (b T k a micro-batch without dropping) dispatched and
     combined forward and the same two backward, 4 x rows x C x 4 bytes, and one exchange of E int64 counts
-    a micro-batch. The expert weights' gradients are summed over edp like any bucket (zero_traffic)."""
-    layers = [m for m in model.modules() if isinstance(m, moe.MoE)]
+    a micro-batch; --recompute full runs the forward's three again. The expert weights' gradients are summed
+    over edp like any bucket (zero_traffic)."""
+    layers, passes = moe.layers_of(model), 3 if recomputed else 2  # forward, (again,) backward
     rows = sum(m.rows_sent for m in layers)
-    return {("all_to_all", "ep"): 4 * rows * cfg.n_embd * 4 + n_micro * len(layers) * cfg.moe_experts * 8}
+    counts = n_micro * len(layers) * cfg.moe_experts * 8 * (passes - 1)
+    return {("all_to_all", "ep"): 2 * passes * rows * cfg.n_embd * 4 + counts}
 
 
 def context_traffic(grid: Grid, act: int, recompute: str, kv: int | None = None) -> dict:

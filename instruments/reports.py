@@ -289,7 +289,7 @@ def prefetch_report(gather: ParamGather, events: list[tuple[str, int, float]]) -
     for what, i, t in events:
         first.setdefault((what.split(" ")[0], i), t)
         first.setdefault((what, i), t)
-    blocks = range(1, len(gather.units) - 1)
+    blocks = range(1, len(gather.parts) - 1)
     spans = [i for i in blocks if first[("gather", i + 1)] < first[("compute", i)]
              and first[("free", i)] < first[("ready", i + 1)]]
     early = [i for i in spans if ("ready (landed early)", i + 1) in first

@@ -22,7 +22,8 @@ class Observer:
         span(name)              around the compute of a step: "F" forward, "B" backward, "O" optimizer
         collective(...)         around each collective: start() launches it and returns its handle
         gradient_event(what, i) gradient bucket i "launch"ed, the "backward done", all "reduced"
-        gather_event(what, i)   ZeRO-3 unit i: "gather" launched, "ready" (or "ready (landed early)"),
+        gather_event(what, i)   ZeRO-3's units of use i (0 the embeddings, i block i - 1 and its experts):
+                                "gather" launched, "ready" (or "ready (landed early)"),
                                 "compute" begins, "free"d: with the above, how communication overlaps compute
         after_grads()           the gradients are reduced and unscaled, not yet clipped
         after_update(updated)   the optimizer has stepped (updated) or skipped; gradients still there

@@ -143,6 +143,35 @@ def test_aux_loss_pulls_a_collapsed_router_back_to_balance(corpus):
     assert min(off) > 0.5, off  # measured 0.66-0.86
 
 
+def test_router_losses_reach_the_gradients_without_a_path_to_the_loss(corpus):
+    """The router's losses ride the backward of their layer's output (moe.RouterLoss), so back-propagating
+    the language-model loss alone (what a pipeline stage or a recomputed block does) gives the gradients of
+    loss + a x aux + z x z-loss written out, with the blocks recomputed (--recompute full) or not. Without
+    the weights the routers' gradients differ: the router losses are not a rounding error here."""
+    data = torch.tensor(list(open(corpus["data"], "rb").read()[:4 * 33]), dtype=torch.long).view(4, 33)
+
+    def grads(recompute: str, weights: tuple[float, float], explicit: bool) -> dict:
+        cfg = gpt.config_from_preset("tiny", 256, moe_experts=4, moe_top_k=2, recompute=recompute)
+        model = gpt.build(cfg, seed=0)
+        moe.train_with(model, *weights)
+        moe.begin_step(model, 1.0)
+        _, loss = model(data[:, :-1], data[:, 1:])
+        if explicit:
+            aux, z, _ = moe.router_losses(model)
+            loss = loss + 0.5 * aux + 0.1 * z
+        loss.backward()
+        return {n: p.grad for n, p in model.named_parameters()}
+
+    want = grads("none", (0.0, 0.0), explicit=True)
+    for recompute in ("none", "full"):
+        got = grads(recompute, (0.5, 0.1), explicit=False)
+        for name, g in want.items():
+            assert torch.allclose(got[name], g, rtol=1e-5, atol=1e-7), (recompute, name)
+    plain = grads("none", (0.0, 0.0), explicit=False)
+    router = [n for n in want if "router" in n]
+    assert all((plain[n] - want[n]).norm() > 0.01 * want[n].norm() for n in router)
+
+
 def test_parameter_counts():
     """n_params and the active FLOPs of an MoE model, without building one, match the built model."""
     for preset in ("tiny", "llama-tiny"):
@@ -161,10 +190,7 @@ def test_parameter_counts():
     (["--ep", "2"], "--ep: only with --moe-experts"),
     (["--moe-experts", "4", "--moe-top-k", "5"], "--moe-top-k 5 is more than the 4 experts"),
     (["--moe-experts", "4", "--ep", "3"], "--ep 3 does not divide the 4 experts"),
-    (["--moe-experts", "4", "--tp", "2", "--sp", "--recompute", "full"], "--sp, --recompute full with --moe-experts: "
-                                                                         "not supported yet"),
-    (["--moe-experts", "4", "--pp", "2", "--cp", "2"], "--pp, --cp with --moe-experts: not supported yet"),
-    (["--moe-experts", "4", "--ep", "2", "--zero", "3"], "--zero 3 with --ep with --moe-experts: not supported yet"),
+    (["--moe-experts", "4", "--tp", "2", "--sp"], "--sp with --moe-experts: not supported yet"),
 ])
 def test_bad_moe_flags_are_one_line(flags, says):
     cfg = config.parse_args(["--device", "cpu", "--preset", "tiny", *flags])
@@ -198,6 +224,12 @@ LAYOUTS = {
     "tp2xep2": (4, DROP, ["--tp", "2", "--ep", "2"]),  # experts replicated over tp, split over ep
     "ep4-accum-zero1": (4, DROP, ["--ep", "4", "--micro-batch-size", "1", "--zero", "1"]),
     "ep2xdp4-nodrop-zero2": (4, NO_DROP, ["--ep", "2", "--micro-batch-size", "1", "--zero", "2", "--memory-report"]),
+    "pp2xep2-1f1b": (4, DROP, ["--pp", "2", "--ep", "2", "--micro-batch-size", "1"]),
+    "tp2xpp2-recompute": (4, DROP, ["--tp", "2", "--pp", "2", "--micro-batch-size", "2", "--recompute", "full"]),
+    "ep2-nodrop-recompute": (2, NO_DROP, ["--ep", "2", "--micro-batch-size", "2", "--recompute", "full"]),
+    "ep2xdp4-zero3": (4, DROP, ["--ep", "2", "--zero", "3", "--memory-report"]),  # experts: a unit apiece
+    "cp2-ring": (2, DROP, ["--cp", "2"]),  # capacity over whole sequences: every cp rank gathers the choices
+    "cp2xep2-ulysses-zero1": (4, DROP, ["--cp", "2", "--ep", "2", "--cp-attn", "ulysses", "--zero", "1"]),
 }
 
 
@@ -222,9 +254,10 @@ def test_expert_layout_reproduces_single_process(layout, references, corpus, tmp
             lines = memory_lines(result.stdout, kind)
             assert len(lines) == nproc and all(ln.endswith("yes") for ln in lines), lines
     if capacity is NO_DROP and "--ep" in flags:  # the closed form: 4 all-to-alls of b T k C fp32 per layer
-        b, T, k, C, E, layers = 1, 32, 2, 64, 4, 4
+        b, T, k, C, E, layers = int(flags[flags.index("--micro-batch-size") + 1]), 32, 2, 64, 4, 4
         n_micro = 8 // (nproc * b)
-        want = n_micro * layers * (4 * b * T * k * C * 4 + E * 8)
+        passes = 3 if "full" in flags else 2  # forward, backward; --recompute full: the forward's again
+        want = n_micro * layers * (2 * passes * b * T * k * C * 4 + E * 8 * (passes - 1))
         row = next(ln.split() for ln in result.stdout.splitlines() if ln.strip().startswith("all_to_all"))
         assert int(row[3].replace(",", "")) == want, row  # rank 0's; every rank's: the formula's line above
         assert math.isclose(int(row[-1].replace(",", "")), want / 2, abs_tol=1)  # (ep-1)/ep on the links
@@ -256,3 +289,8 @@ def test_the_grid_cuts_expert_groups_out_of_data_parallel_ranks():
     assert [g.rank for g in grids if g.owns(expert)] == [0, 2]
     assert [g.rank for g in grids if g.owns(expert, replicated_over_dp=False)] == [0, 2, 4, 6]
     assert "expert parallel (ep 2): {dp 0 dp 1} {dp 2 dp 3}" in str(grids[0])
+    # with cp 2 an ep group shares a cp rank, and edp spans the cp ranks: dp 4 x cp 2, ep 2 -> edp of 4
+    grids = [parallel.Grid(dp=4, cp=2, ep=2, rank=r) for r in range(8)]
+    assert [(g.dp_rank, g.cp_rank, g.ep_rank, g.edp_rank) for g in grids] == [
+        (0, 0, 0, 0), (0, 1, 0, 1), (1, 0, 1, 0), (1, 1, 1, 1), (2, 0, 0, 2), (2, 1, 0, 3), (3, 0, 1, 2), (3, 1, 1, 3)]
+    assert grids[0].size("edp") == 4 and [g.rank for g in grids if g.owns(expert)] == [0, 2]
