@@ -182,6 +182,7 @@ class MoE(nn.Module):
         self.exchange = self.gather = None
         self.aux = self.z = self.load = self.dropped = None
         self.rows_sent = 0  # kept assignments of the training forwards so far: what --comm-report's formula counts
+        # (a block recomputed for its backward, --recompute full, runs its forward twice: both count, alike)
         self.loss_weights = (0.0, 0.0)  # the objective's weights of aux and z, over the model's MoE layers (train_with)
         self.backward_scale = 1.0  # what the backward multiplies this micro-batch's objective by (begin_step)
         self.step_sums, self.step_forwards = None, 0  # (aux, z, dropped) summed over the step's training forwards
@@ -192,9 +193,7 @@ class MoE(nn.Module):
             logits = F.linear(x.float(), self.router.weight.float())  # (B, T, E)
         r = route(logits, self.top_k, self.capacity_factor, self.gather)
         self.aux, self.z, self.load, self.dropped = r.aux, r.z, r.load, (~r.keep).float().mean()
-        # a training forward counts once: not the forward --recompute full runs again inside the backward
-        first_run = self.training and torch._C._current_graph_task_id() == -1  # (model.in_backward)
-        if first_run:
+        if self.training:
             numbers = torch.stack([r.aux, r.z, self.dropped]).detach()
             self.step_sums = numbers if self.step_sums is None else self.step_sums + numbers
             self.step_forwards += 1
@@ -207,7 +206,7 @@ class MoE(nn.Module):
         # the ops above keeping their shapes fixed until here)
         *counts, _ = counts.tolist()
         kept = sum(counts)
-        self.rows_sent += kept if first_run else 0
+        self.rows_sent += kept if self.training else 0
         token, weight = order[:kept] // self.top_k, r.weights.flatten()[order[:kept]]  # (kept,) each
         rows = x.reshape(B * T, C)[token]  # (kept, C)
         y = self.experts(rows, counts) if self.exchange is None else self.exchange(self.experts, rows, counts)
@@ -251,7 +250,8 @@ def begin_step(model: nn.Module, backward_scale: float) -> None:
 
 
 def step_numbers(model: nn.Module) -> torch.Tensor:
-    """This rank's share of the step's (aux, z, dropped), each the mean over micro-batches and over the whole
+    """This rank's share of the step's (aux, z, dropped), each the mean over forwards (micro-batches; a
+    recomputed forward repeats its original exactly, so counting both leaves the mean) and over the whole
     model's MoE layers: the sum over this rank's layers of their means, over all the model's layers (so a sum
     over the pipeline stages is the mean); empty for a dense model."""
     cfg, device = model.config, next(model.parameters()).device

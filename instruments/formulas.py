@@ -124,10 +124,10 @@ def expert_traffic(cfg: gpt.GPTConfig, model: torch.nn.Module, n_micro: int, rec
     combined forward and the same two backward, 4 x rows x C x 4 bytes, and one exchange of E int64 counts
     a micro-batch; --recompute full runs the forward's three again. The expert weights' gradients are summed
     over edp like any bucket (zero_traffic)."""
-    layers, passes = moe.layers_of(model), 3 if recomputed else 2  # forward, (again,) backward
-    rows = sum(m.rows_sent for m in layers)
-    counts = n_micro * len(layers) * cfg.moe_experts * 8 * (passes - 1)
-    return {("all_to_all", "ep"): 2 * passes * rows * cfg.n_embd * 4 + counts}
+    layers, forwards = moe.layers_of(model), 2 if recomputed else 1  # the forward (and its recomputation)
+    rows = sum(m.rows_sent for m in layers)  # every forward's: the backward's are one forward's
+    counts = n_micro * len(layers) * forwards * cfg.moe_experts * 8
+    return {("all_to_all", "ep"): 2 * (rows + rows // forwards) * cfg.n_embd * 4 + counts}
 
 
 def context_traffic(grid: Grid, act: int, recompute: str, kv: int | None = None) -> dict:

@@ -172,6 +172,17 @@ def test_router_losses_reach_the_gradients_without_a_path_to_the_loss(corpus):
     assert all((plain[n] - want[n]).norm() > 0.01 * want[n].norm() for n in router)
 
 
+def test_an_moe_layer_compiles_to_two_graphs():
+    """Under --compile an MoE layer breaks its graph once, where the host reads the experts' counts (the
+    splits need them; moe.py): two graphs, one break, and that break's reason is the read of the device."""
+    m = layer(E=4, k=2, c=1.0)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(m)(torch.randn(2, 8, 16))
+    reasons = [str(b.reason) for b in explained.break_reasons]
+    assert (explained.graph_count, explained.graph_break_count) == (2, 1), reasons
+    assert "tolist" in reasons[0] or "item" in reasons[0] or "data-dependent" in reasons[0].lower(), reasons
+
+
 def test_parameter_counts():
     """n_params and the active FLOPs of an MoE model, without building one, match the built model."""
     for preset in ("tiny", "llama-tiny"):
@@ -276,6 +287,17 @@ def test_a_checkpoint_saved_at_ep2_resumes_at_ep1(references, corpus, tmp_path):
                               "cpu", "--tokens", "8"], capture_output=True, text=True, cwd=ROOT)
     assert sampled.returncode == 0 and "4-layer model, byte tokenizer" in sampled.stderr, sampled.stderr
     assert sampled.stdout.strip(), "no text sampled"
+
+
+def test_a_checkpoint_saved_at_ep2_zero3_resumes_at_ep4(references, corpus, tmp_path):
+    """Saved at --ep 2 under ZeRO-3 (each expert stack a unit of its own, sharded over edp), resumed on four
+    processes at --ep 4 with ZeRO-1, where each rank holds a quarter of every stack: the same run."""
+    run_train(corpus, tmp_path, *STEPS, *MOE, *DROP, "--ep", "2", "--zero", "3", "--max-steps", "2",
+              "--ckpt-every", "2", nproc=2)
+    resumed = run_train(corpus, tmp_path, *STEPS, *MOE, *DROP, "--ep", "4", "--zero", "1", nproc=4).stdout
+    assert "resume: layout {'dp': 2, 'tp': 1, 'pp': 1, 'ep': 2} -> {'dp': 4, 'tp': 1, 'pp': 1, 'ep': 4}" in resumed, \
+        resumed
+    assert_same_run(references(*MOE, *DROP), tmp_path)
 
 
 def test_the_grid_cuts_expert_groups_out_of_data_parallel_ranks():
