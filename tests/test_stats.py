@@ -8,8 +8,9 @@
   step are bitwise those of a run without them.
 * A rollback or resume drops the `layers` rows of the steps it replays, and keeps every other event.
 * With experts: each MoE block's load per expert and dropped share are what its router chose, counted by
-  hand from its inputs over a step's micro-batches; a collapsed router shows as one expert near 1; and at
-  dp 2 with --ep 2 (and micro-batches) and at tp 2 they are exactly the single process's.
+  hand from its inputs over a step's micro-batches; a collapsed router shows as one expert near 1; each
+  assignment counts once (not again in a recomputed forward, not on tp ranks but 0); and at dp 2 with
+  --ep 2 (and micro-batches) and at tp 2 they are exactly the single process's.
 """
 
 import json
@@ -46,6 +47,18 @@ def single(corpus, tmp_path_factory):
     return on, off
 
 
+def stats_step(layer_stats: stats.LayerStats, model: gpt.GPT, opt, batches: list[torch.Tensor], n: int = 1):
+    """Step n, as train.py runs it: a forward and backward per micro-batch of `batches`, the update; its row."""
+    layer_stats.begin(n)
+    for x in batches:
+        _, loss = model(x[:, :-1], x[:, 1:])
+        loss.backward()
+    layer_stats.after_grads()
+    opt.step()
+    layer_stats.finish(updated=True)
+    return layer_stats.pop_row()
+
+
 @pytest.mark.parametrize("recompute", ["none", "full"])
 def test_statistics_are_what_torch_computes(recompute):
     torch.manual_seed(0)
@@ -60,13 +73,7 @@ def test_statistics_are_what_torch_computes(recompute):
     x = torch.randint(0, 257, (2, 17))
 
     def step(n: int) -> dict | None:
-        layer_stats.begin(n)
-        _, loss = model(x[:, :-1], x[:, 1:])
-        loss.backward()
-        layer_stats.after_grads()
-        opt.step()
-        layer_stats.finish(updated=True)
-        return layer_stats.pop_row()
+        return stats_step(layer_stats, model, opt, [x], n)
 
     assert step(1) is not None and step(3) is None  # step 1 and every 2nd: not step 3
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -94,17 +101,9 @@ def test_statistics_are_what_torch_computes(recompute):
 
 
 def moe_step(cfg: gpt.GPTConfig, model: gpt.GPT, batches: list[torch.Tensor]) -> dict:
-    """One statistics step of `model` over `batches` (micro-batches: one forward and backward each)."""
+    """A statistics step of `model` on its own, over `batches` (micro-batches)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    layer_stats = stats.LayerStats(model, parallel.Grid(), None, opt, cfg.n_layer, every=1)
-    layer_stats.begin(1)
-    for x in batches:
-        _, loss = model(x[:, :-1], x[:, 1:])
-        loss.backward()
-    layer_stats.after_grads()
-    opt.step()
-    layer_stats.finish(updated=True)
-    return layer_stats.pop_row()
+    return stats_step(stats.LayerStats(model, parallel.Grid(), None, opt, cfg.n_layer, every=1), model, opt, batches)
 
 
 def test_expert_load_is_what_the_routers_chose():
@@ -152,6 +151,20 @@ def test_a_collapsed_router_shows_one_expert_near_all_of_the_load():
     for name, load in row["moe_load"].items():
         assert sum(load) == pytest.approx(1.0) and load[0] > 0.99 and load.index(max(load)) == 0, (name, load)
         assert 0.74 < row["moe_dropped"][name] <= 0.75, name
+
+
+def test_each_assignment_is_counted_once():
+    """The counts under the shares: a block recomputed for its backward (--recompute full) routes its tokens
+    a second time, which is not counted; a tensor-parallel rank other than 0 routes the same tokens as rank 0
+    (experts and router replicated over tp), and counts none of them."""
+    cfg = gpt.config_from_preset("tiny", 257, moe_experts=4, moe_top_k=2, moe_capacity_factor=1.0, recompute="full")
+    model = gpt.build(cfg, seed=0)
+    x = torch.randint(0, 257, (2, 17), generator=torch.Generator().manual_seed(3))
+    for rank, counted in ((0, 2 * 16 * 2), (1, 0)):  # tp rank 0: B T k assignments in each block; rank 1: none
+        layer_stats = stats.LayerStats(model, parallel.Grid(tp=2, rank=rank), None, None, cfg.n_layer, every=1)
+        layer_stats.begin(1)
+        model(x[:, :-1], x[:, 1:])[1].backward()
+        assert layer_stats.moe_count[:, :-1].sum(1).tolist() == [counted] * 4, rank
 
 
 MOE = ["--moe-experts", "4", "--moe-capacity-factor", "1.0"]  # tiny: every block an MoE, some tokens dropped
