@@ -31,6 +31,11 @@ What to look at, chart by chart:
                   healthy; 1e-2 rewrites the layer every step, 1e-5 has stopped it learning) and the
                   RMS of each block's output (the residual stream grows with depth; a jump is an
                   activation blow-up). "Across depth" shows the latest of each against the layer.
+    experts       with --moe-experts, one chart per MoE block: each expert's share of the block's
+                  assignments over steps (a line per expert; dashed, even load 1/E) and the share
+                  dropped over capacity. Router collapse is one line climbing to 1 while the others
+                  fall to 0, and the dropped share climbing with it (capacity caps the winner); a
+                  healthy router keeps its lines in a band around 1/E.
     communication host time per collective per step (parallel runs): the time that MFU loses to
                   waiting. Overlapped collectives (data-parallel buckets) count from launch to
                   completion, so part of theirs was hidden behind the backward.
@@ -96,6 +101,10 @@ def collect(rows: list[dict]) -> dict:
     per_layer = {"names": names, "step": [r["step"] for r in layers]}
     for stat in ("grad_norm", "update_ratio", "act_rms", "fp8_x_amax", "fp8_g_amax"):
         per_layer[stat] = {n: [number(r.get(stat, {}).get(n)) for r in layers] for n in names}
+    experts = [n for n in names if any(n in r.get("moe_load", {}) for r in layers)]  # MoE blocks, in depth order
+    per_layer["moe_load"] = {n: [[number(v) for v in r["moe_load"][n]] if n in r.get("moe_load", {}) else None
+                                 for r in layers] for n in experts}
+    per_layer["moe_dropped"] = {n: [number(r.get("moe_dropped", {}).get(n)) for r in layers] for n in experts}
     events = {"spike": [], "checkpoint": [], "resume": []}
     for r in rows:
         if r.get("event") in events:

@@ -2,6 +2,7 @@
 
     p = plan(n_layer, n_head, d_model, vocab, seq_len, batch, n_gpus, tp=8, pp=4, ...)      a GPT-2 shape
     p = plan_model(model.config_from_preset("llama-3-8b"), seq_len, batch, n_gpus, tp=8, ...)  any of model.py's
+    p = plan_model(GPTConfig(..., moe_experts=8, moe_top_k=2), seq_len, batch, n_gpus, ep=8)    with experts
     print(format_plan(p))
 
 Before renting a thousand GPUs, a team works the run out on paper: the parameters and FLOPs per token
@@ -20,6 +21,10 @@ the per-GPU matmuls, also slow them. One number is fitted: matmul_eff, 0.73 of p
 et al. 2021's table 1, which plan() then reproduces within 6% (tests/test_plan.py); GPT-3's 34 days
 come out within 4%. Lessons 10 and 12 use it to choose layouts.
 
+With experts (moe.py) a model holds more parameters than a token uses: the plan prints both, counts the
+FLOPs (so MFU and the step) on the active ones, splits the experts' memory over `ep` and adds expert
+parallelism's all-to-alls (plan_model's docstring says how).
+
 The hardware tables live here too: GPUS, what plan() needs of a GPU and its links, and GPU_PEAKS with
 `peak_flops`, the denominator of every MFU a run measures (reports.MFU; on a CPU a measured matmul).
 """
@@ -31,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 import model as gpt
+import moe
 from instruments.formulas import layer_activation_bytes
 from parallel import LayoutError
 
@@ -156,6 +162,27 @@ def layer_gemms(tokens: int, d: int, tp: int, qkv: int | None = None, hidden: in
             (tokens, hidden / tp, d)]
 
 
+def expert_params(shape: gpt.GPTConfig) -> tuple[int, int]:
+    """(the experts' parameters, the share of them one token uses): per MoE layer E, and k, MLPs of the
+    block's kind (GPT-2: c_fc and c_proj with their biases; Llama: SwiGLU's three matrices). The router
+    is neither: every token uses it, so it counts like any replicated weight. 0 for a dense model."""
+    n = moe.moe_layers(shape.n_layer, shape.moe_experts, shape.moe_every)
+    mlp = (3 if shape.llama else 2) * shape.n_embd * shape.hidden + (0 if shape.llama else shape.hidden + shape.n_embd)
+    return n * shape.moe_experts * mlp, n * shape.moe_top_k * mlp
+
+
+def expert_forward_s(shape: gpt.GPTConfig, tokens: int, ep: int, gpu: GPU) -> float:
+    """An MoE layer's MLP forward on one GPU: the router, (tokens, d) @ (d, E); this GPU's E / ep experts, each
+    on tokens k ep / E rows (with even routing the ep group's k choices per token spread evenly over its
+    experts), whole on every tp rank; the activation on k hidden rows per token; the permutation (a token's
+    row copied k times, its k outputs weighted and summed back: 4 k d elements read or written)."""
+    E, k, d, f = shape.moe_experts, shape.moe_top_k, shape.n_embd, shape.hidden
+    rows = tokens * k * ep / E
+    expert = matmul_seconds(rows, d, (2 if shape.llama else 1) * f, gpu) + matmul_seconds(rows, f, d, gpu)
+    pointwise = 5 * f if shape.llama else 8 * d  # SwiGLU, or GELU (plan_model)
+    return E / ep * expert + matmul_seconds(tokens, d, E, gpu) + 2 * tokens * k * (pointwise + 4 * d) / gpu.hbm_bw
+
+
 def plan(n_layer: int, n_head: int, d_model: int, vocab: int, seq_len: int, batch: int, n_gpus: int,
          **layout) -> dict:
     """plan_model() of a dense GPT-2-shaped model of these sizes, its position table seq_len long."""
@@ -166,10 +193,10 @@ def plan(n_layer: int, n_head: int, d_model: int, vocab: int, seq_len: int, batc
 def plan_model(shape: gpt.GPTConfig, seq_len: int, batch: int, n_gpus: int, tp: int = 1, pp: int = 1,
                micro_batch: int = 1, zero: int = 1, tokens: float = 0.0, mfu: float | None = None,
                gpu: str | GPU = "H100", grad_bytes: int = 4, recompute: str = "none", attn: str = "flash",
-               sp: bool = True, dropout: float = 0.0, vp: int = 1, gpus_per_node: int = 8) -> dict:
-    """One training run of a dense model of model.py's `shape` (GPT-2 or the Llama family: a preset's
-    config_from_preset), on paper: what each GPU holds, what it sends per optimizer step, how long a step
-    takes on this layout and so how long `tokens` take.
+               sp: bool = True, dropout: float = 0.0, vp: int = 1, gpus_per_node: int = 8, ep: int = 1) -> dict:
+    """One training run of a model of model.py's `shape` (GPT-2 or the Llama family: a preset's
+    config_from_preset; dense, or with experts), on paper: what each GPU holds, what it sends per optimizer
+    step, how long a step takes on this layout and so how long `tokens` take.
     `batch` is the global batch in sequences (train.py's --batch-size); dp = n_gpus / (tp pp); ranks
     are laid out as Grid does (tp innermost, then dp, then pp), nodes of `gpus_per_node`. `gpu` names
     a row of GPUS. `vp` > 1: the interleaved schedule with vp chunks per stage.
@@ -228,7 +255,29 @@ def plan_model(shape: gpt.GPTConfig, seq_len: int, batch: int, n_gpus: int, tp: 
                 configurations of Narayanan et al. 2021, table 1 (full recomputation, materialized
                 attention with dropout, no SP, on A100s) come out within 6% of their measured
                 teraFLOP/s (tests/test_plan.py). Left out: the optimizer step, kernel launch latency,
-                stragglers. `mfu` given: an assumed MFU sets the step time instead."""
+                stragglers. `mfu` given: an assumed MFU sets the step time instead.
+    experts     a shape with moe_experts E (top k, every moe_every-th block; moe.py), `ep` ranks of dp
+                splitting them (dp % ep == 0, E % ep == 0). What changes:
+                parameters  `params` is all of them (model.n_params); `active_params` what one token uses:
+                            the experts' E MLPs per MoE layer counted k times (expert_params), the router
+                            and everything else once. FLOPs per token are 6 x the active matmul weights +
+                            attention (model.flops_per_token), so MFU and the step are on active FLOPs
+                memory      the experts are split over ep and whole on every tp rank (moe.py replicates
+                            them over tp), so a GPU holds experts / (pp ep) of their weights, and their
+                            gradients and optimizer state are ZeRO-sharded over the dp / ep ranks holding
+                            the same experts (edp); the rest as above, over tp pp and dp. (Activations:
+                            counted as a dense layer's; the k hidden rows per token are left out)
+                traffic     ep: per MoE layer and micro-batch 2 all-to-alls forward and 2 backward (3 and 3
+                            under full recomputation) of the micro-batch's rows, b s k d x 2 bytes each,
+                            (ep-1)/ep of which leave the GPU (even routing); over NVLink while tp x ep fits
+                            in a node. An MoE layer's tp all-reduces are attention's 2 of the 4 (its MLP
+                            talks not). dp: the expert gradients are reduced over edp
+                time        an MoE layer's MLP is the router and this GPU's E / ep experts, each on
+                            b s k ep / E rows (even routing; smaller matmuls run further below peak), not
+                            divided by tp, plus the activation on k rows per token and the permutation
+                            (4 k d elements); the all-to-alls are exposed (the next op waits for them).
+                            A stage's MoE layers are its layers' average share of them. (`matmul_eff`
+                            stays that of a dense layer's four matmuls)"""
     gpu = GPUS[gpu] if isinstance(gpu, str) else gpu
     dp = n_gpus // (tp * pp)
     L, H, d, s, b, V = shape.n_layer, shape.n_head, shape.n_embd, seq_len, micro_batch, shape.padded_vocab
@@ -238,12 +287,19 @@ def plan_model(shape: gpt.GPTConfig, seq_len: int, batch: int, n_gpus: int, tp: 
         raise LayoutError(f"{n_gpus} GPUs as tp {tp} x pp {pp} x dp, {H} heads{kv}, {L} layers, "
                           f"batch {batch} in micro-batches of {micro_batch}"
                           f"{f', {vp} chunks per stage' if vp > 1 else ''}: not a possible layout")
+    E, k = shape.moe_experts, shape.moe_top_k
+    if ep > 1 and (not E or dp % ep or E % ep):
+        raise LayoutError(f"ep {ep}: " + (f"must divide dp {dp} and the {E} experts" if E else "no experts to split"))
     shape = dataclasses.replace(shape, dropout=dropout)
     n_params = gpt.n_params(shape)
+    experts, used = expert_params(shape)  # 0, 0 for a dense model
     flops_per_token = gpt.flops_per_token(shape, s)
-    local = n_params / (tp * pp)  # the first and last stage also hold V d / tp of embedding: ignored
-    weights, grads, optimizer = state_bytes(local, dp, zero, grad_bytes)
+    local = (n_params - experts) / (tp * pp)  # the first and last stage also hold V d / tp of embedding: ignored
+    expert_local = experts / (pp * ep)  # whole on each tp rank, split over ep
+    weights, grads, optimizer = (a + e for a, e in zip(state_bytes(local, dp, zero, grad_bytes),
+                                                       state_bytes(expert_local, dp // ep, zero, grad_bytes)))
     m, layers = batch // (dp * b), -(-L // pp)  # micro-batches per pipeline and step; layers of the last stage
+    moe_here = layers * moe.moe_layers(L, E, shape.moe_every) / L  # of them MoE layers (on average)
     in_flight = min(m, pp + (pp - 1) / vp if vp > 1 else pp)  # stages' worth of micro-batches stage 0 holds
 
     def per_layer(mode):  # bf16 activations, 1-byte masks; a Llama's RMSNorms in fp32 through the fused kernel
@@ -262,12 +318,19 @@ def plan_model(shape: gpt.GPTConfig, seq_len: int, batch: int, n_gpus: int, tp: 
     reduces = m if zero >= 2 else 1  # stages 2 and 3 reduce-scatter every micro-batch's gradients
     gathers = 2 * m if zero >= 3 else 1  # stage 3 all-gathers the weights for each forward and backward
     pairs = 6 if recompute == "full" else 4  # tensor-parallel collectives per layer and micro-batch
-    comm = {"tp": pairs * layers * m * act * 2 * ring(tp),  # an all-reduce = reduce-scatter + all-gather
+    tp_layers = layers - moe_here / 2 if E else layers  # an MoE layer's MLP has no tp collectives
+    a2a = pairs * 2 * b * s * k * d  # an MoE layer's all-to-alls per micro-batch: bf16 rows of its b s k choices
+
+    def dp_bytes(n, group):  # n parameters' gradients reduced (under ZeRO: and weights gathered) over a group
+        return (n * (grad_bytes * reduces + 2 * gathers) if zero else 2 * n * grad_bytes) * ring(group)
+
+    comm = {"tp": pairs * tp_layers * m * act * 2 * ring(tp),  # an all-reduce = reduce-scatter + all-gather
+            **({"ep": m * moe_here * a2a * ring(ep)} if E else {}),
             "pp": 2 * vp * m * act / tp if pp > 1 else 0.0,
-            "dp": (local * (grad_bytes * reduces + 2 * gathers) if zero else 2 * local * grad_bytes) * ring(dp)}
-    # each group's link: NVLink while the group stays inside a node (tp innermost, then dp, then pp)
+            "dp": dp_bytes(local, dp) + dp_bytes(expert_local, dp // ep)}  # experts: over edp
+    # each group's link: NVLink while the group stays inside a node (tp innermost, then dp (and ep), then pp)
     link = {g: LINK_EFFICIENCY * (gpu.nvlink if span <= gpus_per_node else gpu.net)
-            for g, span in (("tp", tp), ("dp", tp * dp), ("pp", n_gpus))}
+            for g, span in (("tp", tp), ("ep", tp * ep), ("dp", tp * dp), ("pp", n_gpus))}
     comm_s = {g: comm[g] / link[g] for g in comm}
 
     # one micro-batch through one layer on one GPU: a forward, then the backward (twice the forward)
@@ -278,13 +341,23 @@ def plan_model(shape: gpt.GPTConfig, seq_len: int, batch: int, n_gpus: int, tp: 
     score_passes = (6.5 if dropout > 0 else 4) if attn == "math" else 0  # s x s elements written or read
     attn_s = b * H / tp * (4 * s * s * head_dim * (1 if attn == "math" else 0.5) / (gpu.matmul_eff * gpu.peak)
                            + 2 * (4 * s * head_dim + score_passes * s * s) / gpu.hbm_bw)
-    pointwise = 5 * shape.hidden + 2 * qkv if shape.llama else 8 * d  # GELU; or SwiGLU and RoPE (docstring)
+    mlp_pointwise = 5 * shape.hidden if shape.llama else 8 * d  # SwiGLU, or GELU
+    pointwise = mlp_pointwise + 2 * qkv if shape.llama else mlp_pointwise  # and RoPE (docstring)
     elementwise_s = 2 * tokens_mb * ((11 if dropout > 0 else 10) * d / (tp if sp else 1) + pointwise / tp) / gpu.hbm_bw
     forward = gemm_s + attn_s + elementwise_s
-    compute = 3 * forward + {"full": forward, "selective": attn_s, "none": 0.0}[recompute]
+
+    def with_backward(fwd):  # the backward is two forwards; recomputation adds the forward, or its attention core
+        return 3 * fwd + {"full": fwd, "selective": attn_s, "none": 0.0}[recompute]
+
+    compute = with_backward(forward)
     tp_s = pairs * act * 2 * ring(tp) / link["tp"]
     pp_s = comm_s["pp"] / m
-    t_mb = layers * (compute + tp_s) + pp_s
+    moe_extra = ep_s = 0.0  # what an MoE layer adds to a dense one's compute; its all-to-alls
+    if E:  # the MLP's matmuls and elementwise work replaced by the experts'
+        dense_mlp_s = sum(matmul_seconds(*g, gpu) for g in gemms[2:]) + 2 * tokens_mb * mlp_pointwise / tp / gpu.hbm_bw
+        moe_extra = with_backward(forward - dense_mlp_s + expert_forward_s(shape, tokens_mb, ep, gpu)) - compute
+        ep_s = a2a * ring(ep) / link["ep"]
+    t_mb = layers * (compute + tp_s) + pp_s + moe_here * (moe_extra - tp_s / 2 + ep_s)  # MoE: half the tp waits
     logits_s = 3 * matmul_seconds(tokens_mb, d, V / tp, gpu)
     bubble_s = (pp - 1) / vp * t_mb
     per_micro = t_mb + logits_s  # the last stage: its layers and the output layer
@@ -298,15 +371,17 @@ def plan_model(shape: gpt.GPTConfig, seq_len: int, batch: int, n_gpus: int, tp: 
     elif zero == 0:
         dp_s = exposed(comm_s["dp"], 2 / 3 * per_micro)
     else:
-        reduce_s = local * grad_bytes * reduces * ring(dp) / link["dp"]
+        reduce_s = (local * grad_bytes * reduces * ring(dp)
+                    + expert_local * grad_bytes * reduces * ring(dp // ep)) / link["dp"]
         gather_window = m * per_micro if zero >= 3 else per_micro / 3
         dp_s = exposed(reduce_s, 2 / 3 * per_micro * reduces) + exposed(comm_s["dp"] - reduce_s, gather_window)
-    time = {"compute": m * (layers * compute + logits_s), "tp": m * layers * tp_s, "pp": m * pp_s,
-            "bubble": bubble_s, "dp": dp_s}
+    time = {"compute": m * (layers * compute + logits_s + moe_here * moe_extra), "tp": m * tp_layers * tp_s,
+            **({"ep": m * moe_here * ep_s} if E else {}), "pp": m * pp_s, "bubble": bubble_s, "dp": dp_s}
     modeled = sum(time.values())
     step_s = modeled if mfu is None else flops_per_token * batch * s / (n_gpus * gpu.peak * mfu)
     seconds = tokens / (batch * s) * step_s
-    return {"params": n_params, "flops_per_token": flops_per_token, "dp": dp, "tp": tp, "pp": pp, "vp": vp,
+    return {"params": n_params, "active_params": n_params - experts + used, "experts": E, "top_k": k, "ep": ep,
+            "flops_per_token": flops_per_token, "dp": dp, "tp": tp, "pp": pp, "vp": vp,
             "micro_batch": b, "micro_batches": m, "bubble": (pp - 1) / (vp * m + pp - 1), "gpu": gpu,
             "memory": memory, "fits": memory["total"] <= HEADROOM * gpu.hbm,
             "comm": comm, "comm_s": comm_s, "time": time, "modeled_step_s": modeled,
@@ -321,7 +396,11 @@ def format_plan(p: dict) -> str:
     mem, comm, c, t = p["memory"], p["comm"], p["comm_s"], p["time"]
     chunks = f", {p['vp']} chunks per stage" if p["vp"] > 1 else ""
     fits = "fits" if p["fits"] else "does not fit"
-    lines = [f"model   {p['params'] / 1e9:.2f}B parameters, {p['flops_per_token']:.3g} FLOPs per token",
+    params = f"{p['params'] / 1e9:.2f}B parameters"
+    if p["experts"]:  # total and active side by side; the FLOPs (and so MFU) are the active ones
+        params += f" ({p['experts']} experts, top {p['top_k']}), {p['active_params'] / 1e9:.2f}B active per token"
+        chunks += f"; experts split over ep {p['ep']}"
+    lines = [f"model   {params}, {p['flops_per_token']:.3g} FLOPs per token",
              f"layout  {p['n_gpus']} {p['gpu'].name} = dp {p['dp']} x tp {p['tp']} x pp {p['pp']}{chunks}; "
              f"{p['micro_batches']} micro-batches of {p['micro_batch']} per step, bubble {p['bubble']:.1%}",
              "memory  " + "  ".join(f"{k} {v / 1e9:.1f}" for k, v in mem.items())
@@ -329,7 +408,8 @@ def format_plan(p: dict) -> str:
              "traffic " + "  ".join(f"{k} {comm[k] / 1e9:.2f} GB ({c[k]:.2f} s)" for k in comm)
              + " per GPU and step",
              "step    " + "  ".join(f"{k} {v:.2f}" for k, v in t.items())
-             + f" s (tp, pp, dp: exposed); matmuls at {p['matmul_eff']:.0%} of peak",
+             + f" s ({', '.join(k for k in t if k not in ('compute', 'bubble'))}: exposed); "
+             f"matmuls at {p['matmul_eff']:.0%} of peak",
              f"time    {p['step_s']:.2f} s per step, {p['mfu']:.1%} MFU"
              f"{'' if p['step_s'] == p['modeled_step_s'] else ' (assumed)'}: "
              f"{p['tokens_per_s'] / 1e6:.2f}M tokens/s, {p['tokens_per_s'] / p['n_gpus']:,.0f} per GPU"]

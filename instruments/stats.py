@@ -26,6 +26,13 @@ and over the ranks: a second all-reduce, a MAX). Each tensor's scale is the form
 (fp8.py), so this is the chart of the scales too: one falling by orders of magnitude is where e5m2 runs
 out of room below, one jumping is where delayed scaling saturates for a step.
 
+With experts (moe.py), two more per MoE block, the numbers that show a router collapsing:
+`moe_load[l]`, the share of the step's assignments (token, choice) that chose each of the E experts, before
+dropping (E numbers summing to 1; even load is 1/E each, a collapsed router puts nearly 1 on one expert),
+and `moe_dropped[l]`, the share of those assignments dropped over capacity (they pass on the residual
+alone). Each block's forward hook reads them from what its MoE keeps after a forward (`load`, `dropped`);
+they are summed over micro-batches and ranks as counts, then divided.
+
 Full-model values, whatever the layout. Every number is the one a single process would compute on
 the same step (tests/test_stats.py holds tp x pp and ZeRO runs to that):
 
@@ -35,18 +42,23 @@ the same step (tests/test_stats.py holds tp x pp and ZeRO runs to that):
         the pipeline's copy of the tied embedding: never (Grid.owns, the rule clipping uses)
         activations: each rank its own rows (dp), sequence slices (cp, and tp under --sp); outputs
         that tensor parallelism replicates: tp rank 0's only
+        expert loads: each data-parallel rank its own tokens (with or without --ep: the router runs
+        before the all-to-all, on the rank's own rows); tp rank 0's only (experts and router are
+        replicated over tp, so every tp rank routes the same tokens); a recomputed forward: never
     one all-reduce over the whole world adds them: a pipeline stage contributes its own layers,
     zeros elsewhere, so the sum is the gather too. Then per layer: sqrt, and the ratio.
 
-So a stats step costs one small all-reduce (5 numbers per layer), a copy of this rank's weights (or,
-under ZeRO, of its master shard) held across the optimizer step, and a square-and-sum of every
-block output. That is why it runs only every --stats-every steps (tests/bench_stats.py measures it).
-It reads and never writes: the losses of a run are bitwise the same with and without it.
+So a stats step costs one small all-reduce (5 numbers per layer, and E + 1 per MoE layer), a copy of
+this rank's weights (or, under ZeRO, of its master shard) held across the optimizer step, and a
+square-and-sum of every block output. That is why it runs only every --stats-every steps
+(tests/bench_stats.py measures it). It reads and never writes: the losses of a run are bitwise the
+same with and without it.
 """
 
 import torch
 
 import fp8
+import moe
 from gradients import GradSync
 from model import in_backward
 from parallel import Grid
@@ -90,6 +102,10 @@ class LayerStats(Observer):
         self.index = {id(p): index[layer_of(n)] for n, p in model.named_parameters(remove_duplicate=False)}
         self.zero = bool(sync is not None and sync.zero)
         self.active, self.skip_first, self.row = False, skip_first, None
+        cfg = model.config  # the MoE layers of the whole model, from its shape (a pipeline stage holds some)
+        self.n_experts = cfg.moe_experts
+        self.moe_layers = [f"h.{i}" for i in range(n_layer) if cfg.moe_experts and moe.is_moe_layer(i, cfg.moe_every)]
+        self.moe_row = {index[name]: j for j, name in enumerate(self.moe_layers)}  # layer -> its row of moe_count
         if every:
             self._hook(model.transformer.drop, index["embed"])  # the embedding's output (first stage)
             for name, block in model.transformer.h.named_children():
@@ -97,18 +113,27 @@ class LayerStats(Observer):
 
     def _hook(self, module: torch.nn.Module, i: int) -> None:
         # Eager even inside a compiled block (a graph break at its end): the hook reads a Python flag
-        # and accumulates into a tensor, neither of which belongs in a graph.
-        record = torch.compiler.disable(lambda m, args, out: self._record(i, out))
+        # and accumulates into a tensor, neither of which belongs in a graph. (A block's expert load is
+        # read here too, from its MoE, rather than by a hook of the MoE's own: one more break per block.)
+        record = torch.compiler.disable(lambda m, args, out: self._record(i, m, out))
         module.register_forward_hook(record)
 
-    def _record(self, i: int, out: torch.Tensor) -> None:
+    def _record(self, i: int, module: torch.nn.Module, out: torch.Tensor) -> None:
         if not self.active or in_backward():  # a block recomputed for its backward ran its forward already
             return
         g = self.grid
+        if i in self.moe_row and g.tp_rank == 0:  # experts replicated over tp: every tp rank routes the same tokens
+            self._count_load(self.moe_row[i], module.mlp)
         if g.tp > 1 and not g.sp_on and g.tp_rank != 0:  # the same output on every tensor-parallel rank
             return
         self.act_sq[i] += out.detach().float().pow(2).sum()
         self.act_n[i] += out.numel()
+
+    def _count_load(self, j: int, m: moe.MoE) -> None:
+        """The j-th MoE layer's forward: its assignments per expert, and how many of them it dropped, as counts."""
+        load = m.load.detach().double()  # (E,): this forward's B T k assignments, before dropping
+        self.moe_count[j, :-1] += load
+        self.moe_count[j, -1] += (m.dropped.detach().double() * load.sum()).round()  # a fraction of them, counted
 
     def due(self, step: int) -> bool:
         return bool(self.every) and (step == 1 or step % self.every == 0)
@@ -120,6 +145,8 @@ class LayerStats(Observer):
         if self.active:
             n, dev = len(self.layers), self.grid.device
             self.act_sq, self.act_n = torch.zeros(n, device=dev), torch.zeros(n, dtype=torch.float64, device=dev)
+            # per MoE layer: assignments to each expert, then those dropped
+            self.moe_count = torch.zeros(len(self.moe_layers), self.n_experts + 1, dtype=torch.float64, device=dev)
 
     def _owned(self):
         """(layer index, this rank's gradient, this rank's weights) for each piece of the model whose
@@ -162,16 +189,28 @@ class LayerStats(Observer):
         if updated and self.before:
             torch._foreach_sub_(self.before, [w.detach().float() for _, _, w in self.pieces])  # in place: -ΔW
             delta = self._sum_by_layer(self.before)
-        total = torch.cat([self.grad_sq, self.weight_sq, delta, self.act_sq.double(), self.act_n])
+        n = len(self.layers)
+        total = torch.cat([self.grad_sq, self.weight_sq, delta, self.act_sq.double(), self.act_n,
+                           self.moe_count.flatten()])  # (E + 1 counts per MoE layer; none without experts)
         self.grid.all_reduce(total, "world")
-        grad_sq, weight, delta, act_sq, act_n = total.view(5, -1).tolist()
+        grad_sq, weight, delta, act_sq, act_n = total[:5 * n].view(5, -1).tolist()
         self.before = self.pieces = None
         row = {"event": "layers", "step": self.step,
                "grad_norm": {name: v ** 0.5 for name, v in zip(self.layers, grad_sq)}}
         if updated:
             row["update_ratio"] = {name: (d / w) ** 0.5 for name, d, w in zip(self.layers, delta, weight) if w > 0}
         row["act_rms"] = {name: (s / n) ** 0.5 for name, s, n in zip(self.layers, act_sq, act_n) if n > 0}
-        self.row = row | self.fp8_amax()
+        self.row = row | self.expert_load(total[5 * n:]) | self.fp8_amax()
+
+    def expert_load(self, counts: torch.Tensor) -> dict:
+        """Per MoE block, each expert's share of the step's assignments and the share dropped (empty without
+        experts), from the all-reduced counts: per MoE layer, E experts' assignments and the dropped ones."""
+        if not self.moe_layers:
+            return {}
+        per_layer = [(name, row[:-1], row[-1], sum(row[:-1]))
+                     for name, row in zip(self.moe_layers, counts.view(len(self.moe_layers), -1).tolist())]
+        return {"moe_load": {name: [c / n for c in load] for name, load, _, n in per_layer if n > 0},
+                "moe_dropped": {name: d / n for name, _, d, n in per_layer if n > 0}}
 
     def fp8_amax(self) -> dict:
         """Per block, the step's largest x and output gradient its fp8 Linears cast (empty without fp8)."""

@@ -96,6 +96,49 @@ def test_per_layer_charts_follow_the_layer_rows(spiked):
             assert_series(line, [r[stat][layer] for r in layers])
     depth = lines(dom, "layer_depth")
     assert float(depth["grad norm"]["data-last"]) == layers[-1]["grad_norm"]["ln_f"]
+    # no experts, no expert chart
+    assert 'data-chart="layer_moe_' not in dom and dashboard.collect(rows)["layers"]["moe_load"] == {}
+
+
+def test_expert_load_is_charted_per_moe_block(corpus, tmp_path):
+    """With experts in blocks 1 and 3: one chart each, a line per expert following its share in every `layers`
+    row, the dropped share, and the even-load line at 1/E; a dense block has none."""
+    run_train(corpus, tmp_path, "--moe-experts", "4", "--moe-every", "2", "--moe-capacity-factor", "1.0",
+              "--max-steps", "6", "--stats-every", "2")
+    layers = [r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
+              if r.get("event") == "layers"]
+    assert [r["step"] for r in layers] == [1, 2, 4, 6]
+    dom = browse(tmp_path / "report.html")
+    assert re.findall(r'data-chart="(layer_moe_[^"]+)"', dom) == ["layer_moe_h.1", "layer_moe_h.3"]
+    for block in ("h.1", "h.3"):
+        drawn = lines(dom, f"layer_moe_{block}")
+        assert list(drawn) == ["expert 0", "expert 1", "expert 2", "expert 3", "dropped"]
+        for e in range(4):
+            assert_series(drawn[f"expert {e}"], [r["moe_load"][block][e] for r in layers])
+        assert_series(drawn["dropped"], [r["moe_dropped"][block] for r in layers])
+        chart = re.search(rf'data-chart="layer_moe_{block}".*?</svg>', dom, re.S).group(0)
+        assert re.search(r'<line class="hline"[^>]*>', chart) and ">even 1/4<" in chart
+
+
+def test_a_collapsed_router_is_one_line_at_the_top(tmp_path):
+    """test_stats.py's seeded collapse, three statistics steps written as a run's metrics.jsonl: in every
+    block's chart expert 0's line ends above 0.99, the others below 0.01."""
+    import torch
+    from test_stats import collapsed_model, moe_step
+    cfg, model = collapsed_model()
+    idx = torch.randint(0, 257, (4, 33), generator=torch.Generator().manual_seed(2))
+    rows = []
+    for step in (1, 2, 3):
+        rows += [{"step": step, "loss": 5.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_sec": 1e3, "mfu": 0.1},
+                 moe_step(cfg, model, [idx]) | {"step": step}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    dashboard.write(tmp_path, dashboard.page_data(tmp_path, {"run": "collapsed", "max_steps": 3}, "finished"))
+    dom = browse(tmp_path / "report.html")
+    for block in ("h.0", "h.1", "h.2", "h.3"):
+        drawn = lines(dom, f"layer_moe_{block}")
+        assert int(drawn["expert 0"]["data-n"]) == 3 and float(drawn["expert 0"]["data-last"]) > 0.99, block
+        assert all(float(drawn[f"expert {e}"]["data-last"]) < 0.01 for e in (1, 2, 3)), block
+        assert 0.74 < float(drawn["dropped"]["data-last"]) <= 0.75, block
 
 
 def test_spikes_rollbacks_and_checkpoints_are_marked(spiked):

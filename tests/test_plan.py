@@ -165,6 +165,83 @@ def test_the_planner_takes_a_llama_from_model_py(preset, tp, pp, gpus):
         planner.plan_model(cfg, s, batch, 128, tp=16)  # tp 16 divides the query heads, not the 8 kv heads
 
 
+# ----------------------------------------------------------------------------- with experts (moe.py)
+
+MOE_SHAPE = dict(n_layer=4, n_head=4, n_embd=64, block_size=32, vocab_size=256, moe_experts=8, moe_top_k=2, moe_every=2)
+
+
+def test_total_and_active_parameters_with_experts():
+    """A GPT-2 of 4 blocks with 8 experts, top 2, in blocks 1 and 3, counted here from its shapes: all of its
+    parameters (= the built model's), the ones a token uses (2 of each MoE block's 8 MLPs, the router, the
+    rest), and FLOPs per token of the active matmul weights (6 x them + attention's 12 L H Q T), which MFU is
+    on. Mixtral 8x7B's shape (model.py's Llama with 8 experts, top 2): 46.7B in all, 12.9B active (Mistral's
+    figures), printed side by side."""
+    C, V, T, E, k, s = 64, 256, 32, 8, 2, 32
+    attention, norms, mlp, router = 4 * C * C + 4 * C, 4 * C, 4 * C * C + 4 * C + 4 * C * C + C, E * C
+    dense, sparse = attention + norms + mlp, attention + norms + E * mlp + router
+    rest = V * C + T * C + 2 * C  # the tied embedding, positions, ln_f
+    cfg = gpt.GPTConfig(**MOE_SHAPE)
+    p = planner.plan_model(cfg, s, batch=8, n_gpus=1)
+    with torch.device("meta"):
+        assert p["params"] == 2 * dense + 2 * sparse + rest == gpt.count_params(gpt.GPT(cfg))
+    assert p["active_params"] == 2 * dense + 2 * (attention + norms + k * mlp + router) + rest
+    matmuls = 2 * (4 * C * C + 8 * C * C) + 2 * (4 * C * C + k * 8 * C * C + router) + V * C
+    assert p["flops_per_token"] == 6 * matmuls + 12 * 4 * C * s
+    assert p["mfu"] == pytest.approx(p["flops_per_token"] * 8 * s / (planner.GPUS["H100"].peak * p["step_s"]))
+    mixtral = gpt.GPTConfig(arch="llama", n_layer=32, n_head=32, n_kv_head=8, n_embd=4096, ffn_hidden=14336,
+                            vocab_size=32000, block_size=32768, moe_experts=8, moe_top_k=2)
+    m = planner.plan_model(mixtral, 4096, batch=512, n_gpus=64, ep=8)
+    assert (round(m["params"] / 1e9, 1), round(m["active_params"] / 1e9, 1)) == (46.7, 12.9)
+    assert planner.format_plan(m).splitlines()[0].startswith(
+        "model   46.70B parameters (8 experts, top 2), 12.88B active per token, ")
+    dense_plan = planner.plan_model(gpt.GPTConfig(**(MOE_SHAPE | {"moe_experts": 0})), s, batch=8, n_gpus=1)
+    assert dense_plan["active_params"] == dense_plan["params"] and "ep" not in dense_plan["comm"]
+    assert "experts" not in planner.format_plan(dense_plan) and "ep" not in dense_plan["time"]
+
+
+@pytest.mark.parametrize("tp,zero", [(1, 1), (1, 0), (2, 1)])
+def test_expert_parallelism_divides_the_expert_memory(tp, zero):
+    """dp 8, ep 1, 4 and 8: each GPU holds 1/ep of the experts' weights and gradients, whole on every tp rank
+    (moe.py replicates them over tp), the rest as a dense model's. Their optimizer state: ZeRO-1 already
+    shards it over dp, and ep x (dp / ep) is still dp, so ep leaves it alone; without ZeRO it is divided too."""
+    C, E = 64, 8
+    experts = 2 * E * (8 * C * C + 5 * C)  # 2 MoE blocks of 8 GPT-2 MLPs
+    for ep in (1, 4, 8):
+        p = planner.plan_model(gpt.GPTConfig(**MOE_SHAPE), 32, batch=64, n_gpus=8 * tp, tp=tp, zero=zero, ep=ep)
+        here = (p["params"] - experts) / tp + experts / ep  # parameters on one GPU
+        mem = p["memory"]
+        assert (mem["weights"], mem["grads"]) == (pytest.approx(2 * here), pytest.approx(4 * here)), ep
+        state = (p["params"] - experts) / tp / 8 + experts / 8 if zero else here
+        assert mem["optimizer"] == pytest.approx(12 * state), ep
+
+
+def test_expert_all_to_alls_per_step():
+    """The all-to-alls of moe.py's docstring: per MoE layer and micro-batch, 2 forward and 2 backward of the
+    micro-batch's b s k rows of d bf16 numbers, (ep-1)/ep of them leaving the GPU; exposed, over NVLink
+    while tp x ep fits in a node, over the network beyond; none at ep 1. An MoE block's MLP makes no
+    tensor-parallel all-reduces: 2 of a dense block's 4."""
+    b, s, k, d, m = 2, 32, 2, 64, 4  # 64 sequences over dp 8: 4 micro-batches of 2
+    h100, plans = planner.GPUS["H100"], {}
+    for ep, tp, per_node in ((1, 1, 8), (4, 1, 8), (8, 2, 8), (8, 1, 4)):
+        p = planner.plan_model(gpt.GPTConfig(**MOE_SHAPE), s, batch=64, n_gpus=8 * tp, tp=tp, ep=ep, micro_batch=b,
+                               gpus_per_node=per_node)
+        assert p["comm"]["ep"] == pytest.approx(4 * 2 * m * b * s * k * d * 2 * (ep - 1) / ep)
+        link = h100.nvlink if tp * ep <= per_node else h100.net
+        assert p["time"]["ep"] == pytest.approx(p["comm"]["ep"] / (planner.LINK_EFFICIENCY * link))
+        assert "  ep " in planner.format_plan(p) and "(tp, ep, pp, dp: exposed)" in planner.format_plan(p)
+        plans[ep, tp] = p
+    assert plans[1, 1]["comm"]["ep"] == plans[1, 1]["time"]["ep"] == 0
+    dense = planner.plan_model(gpt.GPTConfig(**(MOE_SHAPE | {"moe_experts": 0})), s, 64, 16, tp=2, micro_batch=b)
+    assert plans[8, 2]["comm"]["tp"] == pytest.approx(dense["comm"]["tp"] * 6 / 8)  # 2 dense blocks x 4 + 2 MoE x 2
+
+
+@pytest.mark.parametrize("ep,experts,says", [(3, 8, "ep 3: must divide dp 6 and the 8 experts"),
+                                             (4, 8, "ep 4: must divide dp 6"), (2, 0, "ep 2: no experts to split")])
+def test_bad_expert_layouts_are_one_line(ep, experts, says):
+    with pytest.raises(parallel.LayoutError, match=says):
+        planner.plan_model(gpt.GPTConfig(**(MOE_SHAPE | {"moe_experts": experts})), 32, 12, 6, ep=ep)
+
+
 def test_traffic_formulas():
     p = planner.plan(80, 64, 8192, 32000, 4096, batch=1024, n_gpus=512, tp=8, pp=4)
     act = 2 * 4096 * 8192  # one bf16 activation of a sequence
