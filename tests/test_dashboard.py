@@ -124,8 +124,9 @@ def test_a_collapsed_router_is_one_line_at_the_top(tmp_path):
     """test_stats.py's seeded collapse, three statistics steps written as a run's metrics.jsonl: in every
     block's chart expert 0's line ends above 0.99, the others below 0.01."""
     import torch
-    from test_stats import collapsed_model, moe_step
-    cfg, model = collapsed_model()
+    from test_moe import collapsed_model
+    from test_stats import moe_step
+    cfg, model = collapsed_model(257, capacity_factor=1.0)
     idx = torch.randint(0, 257, (4, 33), generator=torch.Generator().manual_seed(2))
     rows = []
     for step in (1, 2, 3):

@@ -113,6 +113,17 @@ def expert_share(model: gpt.GPT, idx: torch.Tensor) -> list[float]:
     return [(m.load.max() / m.load.sum()).item() for m in model.modules() if isinstance(m, moe.MoE)]
 
 
+def collapsed_model(vocab: int, capacity_factor: float) -> tuple[gpt.GPTConfig, gpt.GPT]:
+    """tiny with E 4, k 1, every router collapsed onto expert 0: ln_2 makes feature 0 large, each router reads it."""
+    cfg = gpt.config_from_preset("tiny", vocab, moe_experts=4, moe_top_k=1, moe_capacity_factor=capacity_factor)
+    model = gpt.build(cfg, seed=0)
+    with torch.no_grad():
+        for block in model.transformer.h:
+            block.ln_2.bias[0] = 3.0
+            block.mlp.router.weight[0, 0] = 1.0
+    return cfg, model
+
+
 def test_aux_loss_pulls_a_collapsed_router_back_to_balance(corpus):
     """Routers seeded to send every token to expert 0 (ln_2 makes feature 0 large, each router reads it),
     trained 30 steps on the corpus (AdamW, the routers only: the rest frozen, so what moves them is their
@@ -121,12 +132,7 @@ def test_aux_loss_pulls_a_collapsed_router_back_to_balance(corpus):
     data = torch.tensor(list(open(corpus["data"], "rb").read()[:8 * 33]), dtype=torch.long).view(8, 33)
     shares = {}
     for a in (1.0, 0.0):
-        cfg = gpt.config_from_preset("tiny", 256, moe_experts=4, moe_top_k=1, moe_capacity_factor=0)
-        model = gpt.build(cfg, seed=0)
-        with torch.no_grad():
-            for block in model.transformer.h:
-                block.ln_2.bias[0] = 3.0
-                block.mlp.router.weight[0, 0] = 1.0
+        _, model = collapsed_model(256, capacity_factor=0)
         before = expert_share(model, data[:, :-1])
         opt = torch.optim.AdamW([p for n, p in model.named_parameters() if "router" in n], lr=0.01, weight_decay=0)
         for step in range(30):

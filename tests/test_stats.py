@@ -19,6 +19,7 @@ import math
 import pytest
 import torch
 from conftest import final_weights, metrics, run_train
+from test_moe import collapsed_model
 
 import model as gpt
 import parallel
@@ -131,21 +132,10 @@ def test_expert_load_is_what_the_routers_chose():
         assert 0 < want_dropped < 0.5  # some dropped, so the check covers them
 
 
-def collapsed_model() -> tuple[gpt.GPTConfig, gpt.GPT]:
-    """tiny with E 4, k 1, capacity factor 1, every router collapsed onto expert 0 (tests/test_moe.py's way)."""
-    cfg = gpt.config_from_preset("tiny", 257, moe_experts=4, moe_top_k=1, moe_capacity_factor=1.0)
-    model = gpt.build(cfg, seed=0)
-    with torch.no_grad():
-        for block in model.transformer.h:
-            block.ln_2.bias[0] = 3.0
-            block.mlp.router.weight[0, 0] = 1.0
-    return cfg, model
-
-
 def test_a_collapsed_router_shows_one_expert_near_all_of_the_load():
     """tests/test_moe.py's seeded collapse (ln_2 makes feature 0 large, every router reads it): expert 0 takes
     nearly every assignment in every block, and capacity (a quarter of each sequence) drops nearly 3/4."""
-    cfg, model = collapsed_model()
+    cfg, model = collapsed_model(257, capacity_factor=1.0)
     row = moe_step(cfg, model, [torch.randint(0, 257, (4, 33), generator=torch.Generator().manual_seed(2))])
     assert list(row["moe_load"]) == ["h.0", "h.1", "h.2", "h.3"]
     for name, load in row["moe_load"].items():
