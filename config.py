@@ -152,6 +152,21 @@ class TrainConfig:
     zero: int = arg(0, "ZeRO stage: shard across the data-parallel ranks 1: the optimizer state, 2: and the "
                     "gradients (reduce-scattered every backward), 3: and the weights (gathered per block, "
                     "prefetched); see zero.py", choices=[0, 1, 2, 3])
+    zero_shard: int = arg(0, "hybrid ZeRO (MiCS, PyTorch's HSDP): shard ZeRO's state over groups of N consecutive "
+                          "data-parallel ranks (one node's) and replicate it across the groups; gradients are "
+                          "reduce-scattered in a group, then all-reduced across groups (zero.py)", at_least(1),
+                          shown="all of them: plain ZeRO")
+    hpz: bool = arg(False, "ZeRO++ hpZ (--zero 3): keep a second copy of the weights sharded over the node's ranks, "
+                    "so the backward's all-gathers stay inside the node (zero.py)")
+    qwz: bool = arg(False, "ZeRO++ qwZ (--zero 3): all-gather the weights in int8, one scale per --quant-block "
+                    "elements (zero.py)")
+    qgz: int = arg(0, "ZeRO++ qgZ (--zero 1-3): reduce-scatter the gradients in int8 or int4 blocks, an all-to-all "
+                   "inside the node, then one across nodes, summed in fp32 (zero.py; 0: off)", choices=[0, 8, 4])
+    quant_block: int = arg(256, "qwZ / qgZ: elements per quantization block, each with its own fp32 scale",
+                           at_least(2))
+    gpus_per_node: int = arg(0, "ranks per node: which collectives cross nodes (--comm-report's link column, hpZ "
+                             "and qgZ's hierarchy); CPU processes pretend to be nodes of this size", at_least(1),
+                             shown="the ranks on this machine (torchrun's LOCAL_WORLD_SIZE)")
     bucket_mb: float = arg(25.0, "data-parallel gradient bucket size in MB", (lambda v: v > 0, "must be > 0"))
     no_overlap: bool = arg(False, "all-reduce gradients after the backward instead of during it")
     timeout: float = arg(300.0, "seconds a collective (or a checkpoint commit) may wait for a peer before the "
@@ -256,6 +271,7 @@ def resolve_defaults(cfg: TrainConfig, device: torch.device, bf16_ok: bool = Tru
                           "one stage; use --zero 1 or 2 with pipeline parallelism")
     check_schedule(cfg)
     check_moe(cfg)
+    check_hybrid(cfg)
     cfg.attn = resolve_attention(cfg, device, n_embd // n_head)
     return cfg
 
@@ -313,6 +329,35 @@ def check_moe(cfg: TrainConfig) -> None:
         raise ConfigError(f"{', '.join(given)} with --moe-experts: not supported yet (mixture of experts runs with "
                           "data, expert, tensor, pipeline and context parallelism, ZeRO, "
                           "recomputation)")
+
+
+def gpus_per_node(cfg: TrainConfig) -> int:
+    """--gpus-per-node, or the ranks torchrun started on this machine when they fit the layout (0: unknown,
+    one node holds every rank)."""
+    if cfg.gpus_per_node:
+        return cfg.gpus_per_node
+    local, world = int(os.environ.get("LOCAL_WORLD_SIZE", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    dp_cp = world // (cfg.tp * cfg.pp * cfg.cp) * cfg.cp
+    fits = local and local % cfg.tp == 0 and dp_cp and dp_cp % min(local // cfg.tp, dp_cp) == 0
+    return local if fits and local < world else 0
+
+
+def check_hybrid(cfg: TrainConfig) -> None:
+    """Hybrid ZeRO and ZeRO++ (zero.py) need ZeRO, hpZ and qwZ its stage 3 (they are about gathering weights);
+    the combinations not built are refused by name (how the sizes fit the world: parallel.check_nodes)."""
+    needs = {"--zero-shard": (bool(cfg.zero_shard), 1), "--qgz": (bool(cfg.qgz), 1), "--hpz": (cfg.hpz, 3),
+             "--qwz": (cfg.qwz, 3)}
+    if given := [f"{flag} needs --zero {stage}{'' if stage == 3 else ' or more'}"
+                 for flag, (on, stage) in needs.items() if on and cfg.zero < stage]:
+        raise ConfigError("; ".join(given))
+    unsupported = {"--zero-shard with --ep": cfg.zero_shard and cfg.ep > 1,
+                   "--zero-shard with --hpz": cfg.zero_shard and cfg.hpz,
+                   "--zero-shard with --qgz": cfg.zero_shard and cfg.qgz,
+                   "--qgz with --ep": cfg.qgz and cfg.ep > 1, "--hpz with --ep": cfg.hpz and cfg.ep > 1,
+                   "--qwz with --ep": cfg.qwz and cfg.ep > 1}
+    if given := [flag for flag, on in unsupported.items() if on]:
+        raise ConfigError(f"{', '.join(given)}: not supported (hybrid sharding already keeps ZeRO's traffic in a node; "
+                          "ZeRO++ and experts' edp groups are not combined yet)")
 
 
 def check_schedule(cfg: TrainConfig) -> None:

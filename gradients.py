@@ -52,14 +52,15 @@ class Bucket:
     stage 1; its own buffer for stages 2 and 3, where `main_grad` exists only during a backward)."""
 
     def __init__(self, params: list[torch.nn.Parameter], pad_to: int, device: torch.device, persistent: bool,
-                 group: str = "dp_cp", rank: int = 0):
-        # group: the ranks that sum it (and ZeRO shards it over); rank: this rank's place among them
+                 group: str = "dp_cp", rank: int = 0, block: int = 1):
+        # group: the ranks that sum it (and ZeRO shards it over); rank: this rank's place among them;
+        # block: a shard is whole blocks of this many elements (ZeRO++'s quantization, zero.py)
         self.params, self.offsets, n, self.group, self.rank = params, [], 0, group, rank
         for p in params:
             self.offsets.append(n)
             n += p.numel()
         self.numel, self.device = n, device
-        self.padded = -(-n // pad_to) * pad_to  # ZeRO splits the buffer into dp equal shards
+        self.padded = -(-n // (pad_to * block)) * pad_to * block  # ZeRO splits the buffer into dp equal shards
         self.shard_size = self.padded // pad_to
         self.main_grad = torch.zeros(self.padded, dtype=torch.float32, device=device) if persistent else None
         self.shard_grad = None
@@ -104,14 +105,16 @@ class GradSync:
     """
 
     def __init__(self, model: torch.nn.Module, grid: Grid, bucket_mb: float = 25, overlap: bool = True,
-                 zero: int = 0, units: list[list[torch.nn.Parameter]] | None = None):
+                 zero: int = 0, units: list[list[torch.nn.Parameter]] | None = None, scatter=None, block: int = 1):
         self.grid, self.overlap, self.zero, self.require_backward_grad_sync = grid, overlap, zero, True
+        self.scatter = scatter  # ZeRO++'s qgZ (zero.QuantizedReduceScatter): whole buffer -> this rank's shard
         groups = units[::-1] if units is not None else self._by_size(model, bucket_mb)
         self.buckets = []
         for params in groups:
-            group = "edp" if getattr(params[0], "expert", False) else "dp_cp"
+            group = "edp" if getattr(params[0], "expert", False) else "zs" if grid.zs < grid.dp_cp else "dp_cp"
+            rank = {"edp": grid.edp_rank, "zs": grid.zs_rank, "dp_cp": grid.dp_cp_rank}[group]
             self.buckets.append(Bucket(params, grid.size(group) if zero else 1, grid.device, persistent=zero < 2,
-                                       group=group, rank=grid.edp_rank if group == "edp" else grid.dp_cp_rank))
+                                       group=group, rank=rank, block=block if zero else 1))
         self.slot = {}
         for b in self.buckets:
             lo, hi = b.shard_range(b.rank)
@@ -163,16 +166,21 @@ class GradSync:
     def _launch(self, b: Bucket) -> None:
         self.grid.observer.gradient_event("launch", self.buckets.index(b))
         if self.zero >= 2:  # reduce into a fresh shard; the whole buffer is let go once that is done
-            shard = torch.empty(b.shard_size, device=b.device)
-            self.pending.append((b, shard, self.grid.reduce_scatter(shard, b.main_grad, b.group, async_op=True),
-                                 b.main_grad))
+            if self.scatter is not None:
+                shard, work = self.scatter(b.main_grad), None
+            else:
+                shard = torch.empty(b.shard_size, device=b.device)
+                work = self.grid.reduce_scatter(shard, b.main_grad, b.group, async_op=True)
+            self.pending.append((b, shard, work, b.main_grad))
             b.main_grad, b.ready = None, 0
             if self.on_reduced is not None:
                 self.on_reduced(b)
             while len(self.pending) > (IN_FLIGHT if self.overlap else 0):
                 self._receive()
             return
-        if self.zero:  # each rank receives the sum of only its shard
+        if self.zero and self.scatter is not None:
+            b.received = self.scatter(b.main_grad)
+        elif self.zero:  # each rank receives the sum of only its shard
             b.received = torch.empty(b.shard_size, device=b.main_grad.device)
             b.work = self.grid.reduce_scatter(b.received, b.main_grad, b.group, async_op=True)
         else:
@@ -201,6 +209,8 @@ class GradSync:
                 peer_call(b.work.wait, what=self.grid.describe(f"the gradients' {op}", b.group))
             if self.zero == 1:
                 b.shard_grad.copy_(b.received)
+            if b.group == "zs":  # hybrid ZeRO: the shard group's sum, then the replicas' (across nodes)
+                self.grid.all_reduce(b.shard_grad, "zr")
             if self.zero:
                 b.shard_grad /= self.grid.dp_cp
             else:

@@ -103,6 +103,8 @@ class Grid:
     whole: bool = False  # set by whole_sequence(): sp and cp off (sampling feeds one token at a time)
     ep: int = 1  # expert parallelism: consecutive data-parallel ranks that split the experts (moe.py)
     vp: int = 1  # virtual pipeline stages (chunks of layers) per pipeline rank: the interleaved schedule's v
+    zero_shard: int = 0  # hybrid ZeRO: shard over groups of this many dp x cp ranks (0: all of them; zero.py)
+    gpus_per_node: int = 0  # ranks per node: which groups cross nodes (0: one node holds every rank)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     groups: dict = field(default_factory=dict)  # "tp" / "dp" / "pp" / "embed" -> this rank's group
     members: dict = field(default_factory=lambda: defaultdict(tuple))  # the same names -> its global ranks
@@ -157,6 +159,33 @@ class Grid:
     def rank_of(self, pp_rank: int, dp_rank: int, tp_rank: int, cp_rank: int = 0) -> int:
         return ((pp_rank * self.dp + dp_rank) * self.cp + cp_rank) * self.tp + tp_rank
 
+    # Hybrid ZeRO (zero.py) cuts the dp x cp ranks into shard groups of `zs` consecutive ones (`zs`; the
+    # same place in each: `zr`, the replicas), and nodes into `node` (the dp x cp ranks of one node) and
+    # `nodes` (the same place on every node): consecutive ranks share a node, tp ranks first.
+    @property
+    def zs(self) -> int:
+        """ZeRO's shard group: --zero-shard N, or every dp x cp rank (plain ZeRO)."""
+        return self.zero_shard or self.dp_cp
+
+    @property
+    def zs_rank(self) -> int:
+        return self.dp_cp_rank % self.zs
+
+    @property
+    def zr_rank(self) -> int:
+        """Which replica of the shards this rank's shard group is."""
+        return self.dp_cp_rank // self.zs
+
+    @property
+    def node_dp(self) -> int:
+        """dp x cp ranks per node (--gpus-per-node over tp: a node holds whole tp groups), at most all of them."""
+        return min(self.gpus_per_node // self.tp, self.dp_cp) if self.gpus_per_node else self.dp_cp
+
+    def crosses_nodes(self, group: str) -> bool:
+        """Do the group's ranks sit on more than one node?"""
+        nodes = {r // self.gpus_per_node for r in self.members.get(group, ())} if self.gpus_per_node else ()
+        return len(nodes) > 1
+
     @property
     def cp_on(self) -> bool:
         """Is the sequence split over context-parallel ranks right now?"""
@@ -210,7 +239,9 @@ class Grid:
         if getattr(p, "expert", False):  # split over ep; copies over tp, cp and the dp / ep groups
             return (self.dp_rank < self.ep and self.cp_rank == 0 or not replicated_over_dp) and self.tp_rank == 0
         sharded_tp = getattr(p, "shard", None) is not None
-        return (self.dp_cp_rank == 0 or not replicated_over_dp) and (sharded_tp or self.tp_rank == 0)
+        # (hybrid ZeRO: the shards of the first shard group; the other groups hold replicas of them)
+        counted = self.dp_cp_rank == 0 or not replicated_over_dp and self.zr_rank == 0
+        return counted and (sharded_tp or self.tp_rank == 0)
 
     @contextlib.contextmanager
     def whole_sequence(self):
@@ -254,7 +285,8 @@ class Grid:
     def size(self, group: str) -> int:
         return {"tp": self.tp, "dp": self.dp, "pp": self.pp, "cp": self.cp, "dp_cp": self.dp_cp,
                 "world": self.world, "embed": 2 if self.pp > 1 else 1, "ep": self.ep,
-                "edp": self.dp // self.ep * self.cp}[group]
+                "edp": self.dp // self.ep * self.cp, "zs": self.zs, "zr": self.dp_cp // self.zs,
+                "node": self.node_dp, "nodes": self.dp_cp // self.node_dp}[group]
 
     def label(self, group: str) -> str:
         """The group's name in reports: the dp x cp group is plain "dp" when there is no context parallelism."""
@@ -360,19 +392,25 @@ class Grid:
                               for g in range(0, self.dp, self.ep))
             lines.append(f"  expert parallel (ep {self.ep}): {groups}: each group holds every expert, dp rank d its "
                          f"part d % {self.ep}; the same parts (edp) sum their gradients")
+        if self.zs < self.dp_cp:
+            lines.append(f"  hybrid ZeRO: shard groups (zs) of {self.zs} consecutive dp x cp ranks, "
+                         f"{self.dp_cp // self.zs} replicas of the shards (zr)")
+        if self.gpus_per_node:
+            lines.append(f"  nodes of {self.gpus_per_node} ranks: {self.node_dp} dp x cp ranks per node, "
+                         f"a dp x cp group on {self.dp_cp // self.node_dp}")
         return "\n".join(lines)
 
 
 def init_grid(tp: int, pp: int, device: torch.device, timeout_s: float = 300, sp: bool = False,
-              cp: int = 1, cp_attn: str = "ring", vp: int = 1, ep: int = 1) -> Grid:
+              cp: int = 1, cp_attn: str = "ring", vp: int = 1, ep: int = 1, **nodes) -> Grid:
     """`layout`, then `connect`: the grid this process belongs to, with its process groups."""
-    grid = layout(tp, pp, device, sp=sp, cp=cp, cp_attn=cp_attn, vp=vp, ep=ep)
+    grid = layout(tp, pp, device, sp=sp, cp=cp, cp_attn=cp_attn, vp=vp, ep=ep, **nodes)
     connect(grid, timeout_s)
     return grid
 
 
 def layout(tp: int, pp: int, device: torch.device, sp: bool = False, cp: int = 1, cp_attn: str = "ring",
-           vp: int = 1, ep: int = 1) -> Grid:
+           vp: int = 1, ep: int = 1, zero_shard: int = 0, gpus_per_node: int = 0) -> Grid:
     """The grid that torchrun's WORLD_SIZE and RANK describe, before any process talks to another: every
     rank computes the same one, so an impossible layout fails on every rank alike, at once."""
     world = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun
@@ -384,9 +422,23 @@ def layout(tp: int, pp: int, device: torch.device, sp: bool = False, cp: int = 1
     if dp % ep:
         raise LayoutError(f"--ep {ep} does not divide the data-parallel degree {dp} (= {world} processes / tp*cp*pp): "
                           "expert-parallel groups are cut out of the data-parallel ranks")
+    check_nodes(dp * cp, tp, zero_shard, gpus_per_node)
     if device.type == "cuda" and device.index is None:  # an index was settled by devices.pick_device
         device = local_gpu()
-    return Grid(tp=tp, pp=pp, cp=cp, dp=dp, rank=rank, sp=sp, cp_attn=cp_attn, vp=vp, ep=ep, device=device)
+    return Grid(tp=tp, pp=pp, cp=cp, dp=dp, rank=rank, sp=sp, cp_attn=cp_attn, vp=vp, ep=ep, device=device,
+                zero_shard=zero_shard, gpus_per_node=gpus_per_node)
+
+
+def check_nodes(dp_cp: int, tp: int, zero_shard: int, gpus_per_node: int) -> None:
+    """Hybrid ZeRO's shard groups divide the dp x cp ranks evenly, and a node holds whole tp groups and a
+    whole number of ... dp x cp ranks that divides them (or all of them)."""
+    if zero_shard and dp_cp % zero_shard:
+        raise LayoutError(f"--zero-shard {zero_shard} does not divide the {dp_cp} data-parallel ranks (x cp): shard "
+                          "groups are equal")
+    if gpus_per_node and (gpus_per_node % tp or dp_cp % min(gpus_per_node // tp, dp_cp)):
+        raise LayoutError(f"--gpus-per-node {gpus_per_node} does not fit the layout: a node holds whole "
+                          f"tensor-parallel groups (tp {tp}) and a number of data-parallel ranks (x cp) that divides "
+                          f"their {dp_cp}")
 
 
 def connect(grid: Grid, timeout_s: float = 300) -> None:
@@ -416,6 +468,10 @@ def connect(grid: Grid, timeout_s: float = 300) -> None:
                "dp": ids.permute(0, 2, 3, 1).reshape(-1, grid.dp),
                "dp_cp": ids.permute(0, 3, 1, 2).reshape(-1, grid.dp * cp),
                "pp": ids.permute(1, 2, 3, 0).reshape(-1, pp)}
+    rows = layouts["dp_cp"]  # groups of n consecutive dp x cp ranks, and the same place in each
+    for inner, outer, n in (("zs", "zr", grid.zs), ("node", "nodes", grid.node_dp)):
+        layouts[inner] = rows.reshape(-1, n)
+        layouts[outer] = rows.reshape(rows.size(0), -1, n).transpose(1, 2).reshape(-1, rows.size(1) // n)
     if grid.ep > 1:  # dp ranks in groups of ep consecutive ones (ep), and the same place in each group (edp)
         experts = ids.view(pp, grid.dp // grid.ep, grid.ep, cp, tp)
         layouts["ep"] = experts.permute(0, 1, 3, 4, 2).reshape(-1, grid.ep)

@@ -159,7 +159,7 @@ def setup(cfg: config.TrainConfig, arch: dict | None = None, init_values=None) -
     # Every check that needs only the flags and the world size, before any process talks to another and
     # before any data: a wrong layout fails in a second on every rank alike (main prints it once).
     grid = parallel.layout(cfg.tp, cfg.pp, device, sp=cfg.sp, cp=cfg.cp, cp_attn=cfg.cp_attn, vp=cfg.virtual_stages,
-                           ep=cfg.ep)
+                           ep=cfg.ep, zero_shard=cfg.zero_shard, gpus_per_node=config.gpus_per_node(cfg))
     device, log = grid.device, cli.printer(grid.is_logger)
     per_rank = config.check_batch(cfg, grid)
     model_cfg = config.model_config(cfg, arch)
@@ -229,12 +229,15 @@ def build_model_and_optimizer(cfg: config.TrainConfig, grid: parallel.Grid, mode
     if cfg.compile:
         compile_model(model, grid)
     sync = None
-    if grid.dp_cp > 1 or cfg.zero:
+    if grid.dp_cp > 1 or cfg.zero:  # (ZeRO++: qgZ's reduce-scatter; shards of whole quantization blocks)
+        scatter = zero.QuantizedReduceScatter(grid, cfg.qgz, cfg.quant_block) if cfg.qgz else None
         sync = gradients.GradSync(model, grid, cfg.bucket_mb, overlap=not cfg.no_overlap, zero=cfg.zero,
-                                  units=zero.units(model) if zero3 else None)
+                                  units=zero.units(model) if zero3 else None, scatter=scatter,
+                                  block=cfg.quant_block if cfg.qgz or cfg.qwz else 1)
     opt = make_optimizer(model, cfg, sync, initial)
     # ZeRO-3's weights, gathered around each use: after the optimizer has sharded them
-    gather = zero.ParamGather(model, opt, compiled=cfg.compile) if zero3 else None
+    gather = zero.ParamGather(model, opt, compiled=cfg.compile, qwz_block=cfg.quant_block if cfg.qwz else 0,
+                              hpz=cfg.hpz) if zero3 else None
     return model, sync, opt, gather
 
 

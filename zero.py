@@ -212,6 +212,8 @@ class Unit:
     buffer: torch.Tensor
     state: str = "free"  # free, gathering or whole
     gathering: object = None  # the all-gather's handle while state is "gathering"
+    quantized: tuple | None = None  # qwZ: (codes, scales) being gathered, dequantized into buffer on arrival
+    secondary: torch.Tensor | None = None  # hpZ: this rank's part of the weights among its node's ranks
 
 
 class ParamGather:
@@ -219,9 +221,10 @@ class ParamGather:
     next unit's, and free them after (see the module docstring). GradSync's reduce-scatter of a
     unit's gradients (`on_reduced`) frees the weights after the backward."""
 
-    def __init__(self, model: torch.nn.Module, opt: ZeroAdamW, compiled: bool = False):
+    def __init__(self, model: torch.nn.Module, opt: ZeroAdamW, compiled: bool = False, qwz_block: int = 0,
+                 hpz: bool = False):
         sync = opt.sync
-        self.grid, self.sync = sync.grid, sync
+        self.grid, self.sync, self.qwz_block, self.hpz = sync.grid, sync, qwz_block, hpz
         self.units: list[Unit] = []  # forward order: root, block 0, (block 0's experts,) block 1, ...
         self.parts: list[list[int]] = []  # the units each use gathers: [root], [block 0(, its experts)], ...
         for b, st in zip(sync.buckets[::-1], opt.shards[::-1]):
@@ -265,16 +268,35 @@ class ParamGather:
             if u.state != "free":
                 continue
             u.buffer.untyped_storage().resize_(u.bucket.padded * u.buffer.element_size())  # back from 0 bytes
-            u.state, u.gathering = "gathering", self.grid.all_gather(u.buffer, u.shard, u.bucket.group, async_op=True)
+            u.state, u.gathering = "gathering", self._all_gather(u)
             self.grid.observer.gather_event("gather", i)
+
+    def _all_gather(self, u: Unit):
+        """Launch a unit's all-gather: its shards over their group, or (hpZ, in the backward) the node's
+        copy over the node's ranks, or (qwZ) int8 codes and their scales."""
+        if u.secondary is not None and in_backward():  # hpZ: what the forward's gather left on this node
+            return self.grid.all_gather(u.buffer, u.secondary, "node", async_op=True)
+        if not self.qwz_block:
+            return self.grid.all_gather(u.buffer, u.shard, u.bucket.group, async_op=True)
+        codes, scales = quantize(u.shard.float(), self.qwz_block, 8)
+        u.quantized = (codes.new_empty(u.bucket.padded), scales.new_empty(u.bucket.padded // self.qwz_block))
+        return [self.grid.all_gather(out, part, u.bucket.group, async_op=True)
+                for out, part in zip(u.quantized, (codes, scales))]
 
     def wait(self, j: int) -> None:
         u = self.units[j]
         if u.state != "gathering":
             return
-        landed = u.gathering is None or u.gathering.is_completed()  # already there: the gather was hidden
-        if u.gathering is not None:
-            peer_call(u.gathering.wait, what=self.grid.describe("ZeRO-3's all_gather of weights", u.bucket.group))
+        works = [w for w in (u.gathering if isinstance(u.gathering, list) else [u.gathering]) if w is not None]
+        landed = all(w.is_completed() for w in works)  # already there: the gather was hidden
+        for w in works:
+            peer_call(w.wait, what=self.grid.describe("ZeRO-3's all_gather of weights", u.bucket.group))
+        if u.quantized is not None:  # qwZ: the int8 blocks, back to the weights' dtype
+            u.buffer.copy_(dequantize(*u.quantized, self.qwz_block, 8))
+            u.quantized = None
+        if self.hpz and self.use_of[j] > 0:  # a block's forward keeps the node's part; its backward used it
+            n, part = self.grid.node_dp, u.bucket.padded // self.grid.node_dp
+            u.secondary = None if in_backward() else u.buffer[self.grid.dp_cp_rank % n * part:][:part].clone()
         u.state, u.gathering = "whole", None
         for p, view in u.bucket.views(u.buffer):
             p.data = view
@@ -313,6 +335,8 @@ class ParamGather:
     def _after_head(self, module, args, out):
         if not torch.is_grad_enabled():  # evaluation, sampling: nothing comes back for the weights
             self.free(0)
+            for u in self.units:  # (nor for hpZ's copies of them)
+                u.secondary = None
             return None
         if isinstance(out, torch.Tensor) and out.dim() == 0:  # the loss: its backward starts the step's
             return _BeforeBackward.apply(out, lambda: self.gather(self.last))
@@ -321,3 +345,73 @@ class ParamGather:
     def all_free(self) -> bool:
         """Is every unit back to its shard (as between steps it must be)?"""
         return all(u.state == "free" for u in self.units)
+
+
+# ----------------------------------------------------------------------------- ZeRO++
+#
+# ZeRO++ (Wang et al. 2023, "ZeRO++: Extremely Efficient Collective Communication for Giant Model
+# Training"): three changes to ZeRO-3's traffic, each behind its own flag.
+#
+#   qwZ  the weights' all-gathers carry int8 codes and one fp32 scale per block of --quant-block
+#        elements instead of the weights (2 or 4 bytes each): (1 + 4 / block) bytes an element
+#   hpZ  the forward's all-gather of a block leaves each rank a second copy of 1/L of the block's weights,
+#        L being the dp x cp ranks of its node; the backward gathers from those copies, over the node
+#        only: the backward's all-gather never leaves the node, for (weights / L) more memory per rank
+#   qgZ  the gradients' reduce-scatter becomes two all-to-alls of int8 (or int4) blocks: inside the node
+#        first (each rank receives, from each of the node's ranks, the parts of every shard it will
+#        pass on; it sums them in fp32), then across nodes (the partial sums of its own shard from every
+#        node, summed in fp32). Quantizing once per hop instead of once per ring step (a ring of n ranks
+#        would re-quantize n-1 times) keeps the error of one hop, and what crosses nodes is 1/L of
+#        what the node exchanged
+#
+# A block's scale is its largest |x| over the largest code (127 for int8, 7 for int4), so each element is
+# off by at most half a scale: |x - dequantize(quantize(x))| <= max|block| / (2 x 127) (int8; / 14 for int4).
+
+
+def quantize(x: torch.Tensor, block: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (n,) fp32, n a multiple of block -> (codes, scales): per block one fp32 scale and the elements
+    rounded to the nearest multiple of it, int8 (int4: two codes to a byte, biased by 8)."""
+    top = 2 ** (bits - 1) - 1
+    blocks = x.view(-1, block)
+    scales = blocks.abs().amax(1).clamp(min=torch.finfo(torch.float32).tiny) / top  # (n / block,)
+    codes = torch.round(blocks / scales[:, None]).clamp_(-top, top).to(torch.int8).flatten()
+    if bits == 4:
+        nibbles = (codes + 8).to(torch.uint8).view(-1, 2)  # 1..15
+        codes = nibbles[:, 0] | (nibbles[:, 1] << 4)
+    return codes, scales
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, block: int, bits: int) -> torch.Tensor:
+    """The fp32 elements that `quantize` encoded."""
+    if bits == 4:
+        codes = torch.stack([codes & 15, codes >> 4], dim=1).flatten().to(torch.int8) - 8
+    return (codes.float().view(-1, block) * scales[:, None]).flatten()
+
+
+class QuantizedReduceScatter:
+    """qgZ: GradSync's reduce-scatter (gradients.py), hierarchical and quantized. The dp x cp ranks are M
+    nodes of L (rank = node x L + local), and rank r owns shard r of a bucket's buffer (S elements each):
+
+        buffer as (M, L, S): shard n' L + l' sits at [n', l']
+        1. inside the node: all-to-all of [:, l'] (quantized) to local rank l'; sum what arrives (fp32)
+           -> this rank holds its node's sum of the shards n' L + local, for every node n'
+        2. across nodes: all-to-all of row n' (quantized) to node n'; sum what arrives
+           -> the sum over every rank of shard node x L + local = this rank's shard"""
+
+    def __init__(self, grid, bits: int, block: int):
+        self.grid, self.bits, self.block = grid, bits, block
+
+    def __call__(self, full: torch.Tensor) -> torch.Tensor:
+        L, M = self.grid.node_dp, self.grid.dp_cp // self.grid.node_dp
+        S = full.numel() // (M * L)
+        mine = self.exchange(full.view(M, L, S).transpose(0, 1), "node").sum(0)  # (M, S): this node's sums
+        return self.exchange(mine, "nodes").sum(0)  # (S,)
+
+    def exchange(self, rows: torch.Tensor, group: str) -> torch.Tensor:
+        """rows (R, ...), R the group's size: row r goes to the group's rank r, quantized; returns what each
+        rank sent this one, dequantized, (R, ...) fp32."""
+        codes, scales = quantize(rows.contiguous().flatten(), self.block, self.bits)
+        got = codes.new_empty(codes.shape), scales.new_empty(scales.shape)
+        for out, inp in zip(got, (codes, scales)):
+            self.grid.all_to_all(out, inp, group)
+        return dequantize(*got, self.block, self.bits).view(rows.shape)

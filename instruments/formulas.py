@@ -25,13 +25,14 @@ import moe
 from gradients import GradSync
 from parallel import Grid
 from shard import rank_layers
-from zero import ZeroAdamW
+from zero import ParamGather, ZeroAdamW
 
 # ----------------------------------------------------------------------------- traffic
 
 
 def expected_traffic(cfg: gpt.GPTConfig, grid: Grid, micro_batch: int, n_micro: int, seq_len: int,
-                     sync: GradSync | None, model: torch.nn.Module, fp8_recipe: str | None = None) -> dict:
+                     sync: GradSync | None, model: torch.nn.Module, fp8_recipe: str | None = None,
+                     gather: ParamGather | None = None) -> dict:
     """Bytes this rank's collectives should move in one fp32 training step, by (op, group), from
     the formulas: Megatron's 2 all-reduces forward + 2 backward per layer of B*T*C activations
     (all-gather + reduce-scatter of the same volume under --sp), one activation send per
@@ -82,7 +83,7 @@ def expected_traffic(cfg: gpt.GPTConfig, grid: Grid, micro_batch: int, n_micro: 
         for k, v in fp8_traffic(grid, layers, n_micro, cfg.recompute, fp8_recipe, first_fp8_step(model)).items():
             e[k] += v
     if sync is not None and grid.dp_cp > 1:
-        e.update(zero_traffic(sync, n_micro, next(model.parameters()).element_size()))
+        e.update(zero_traffic(sync, n_micro, next(model.parameters()).element_size(), gather))
     if grid.ep > 1:
         e.update(expert_traffic(cfg, model, n_micro, cfg.recompute == "full"))
     zero = sync is not None and sync.zero
@@ -145,26 +146,49 @@ def context_traffic(grid: Grid, act: int, recompute: str, kv: int | None = None)
     return {("send", "cp"): (1 + again) * hops * 2 * kv + (hops + grid.cp) * 2 * kv}
 
 
-def zero_traffic(sync: GradSync, n_micro: int, weight_bytes: int) -> dict:
+def zero_traffic(sync: GradSync, n_micro: int, weight_bytes: int, gather: ParamGather | None = None) -> dict:
     """The data-parallel bytes of one step (over the dp x cp ranks), by ZeRO stage, for Ψ parameters in
     fp32 gradient buckets (padded to dp shards under ZeRO) and weights of `weight_bytes` each:
         0  all-reduce 4Ψ, once per step
         1  reduce-scatter 4Ψ once, all-gather the new weights once: the same ring bytes as stage 0
         2  reduce-scatter 4Ψ every micro-batch (nothing is held whole), all-gather once
         3  reduce-scatter 4Ψ, and all-gather the weights twice (forward, backward), every micro-batch:
-           with one micro-batch and 4-byte weights 12Ψ against stage 0's 8Ψ, ZeRO's 1.5x"""
+           with one micro-batch and 4-byte weights 12Ψ against stage 0's 8Ψ, ZeRO's 1.5x
+    Hybrid ZeRO (zs, shard groups of N): those collectives over the N ranks of a group, and an all-reduce
+    of each 4Ψ/N shard across the groups (zr) once a step. ZeRO++ (zero.py): qgZ's reduce-scatter is an
+    all-to-all of quantized Ψ inside the node and one of Ψ/L across nodes (L: dp x cp ranks per node), at
+    (bits/8 + 4/block) bytes an element; qwZ's gathers carry (1 + 4/block) bytes an element; hpZ's
+    backward gathers (of blocks; the embeddings' unit is gathered twice in the forward) run over the node."""
+    grid, out = sync.grid, defaultdict(int)
     if not sync.zero:
-        out = defaultdict(int)
         for b in sync.buckets:  # expert parallelism's expert buckets: over edp
             out[("all_reduce", b.group)] += 4 * b.numel
-        return {k: v for k, v in out.items() if sync.grid.size(k[1]) > 1}
+        return {k: v for k, v in out.items() if grid.size(k[1]) > 1}
     reduces = 1 if sync.zero == 1 else n_micro
-    gathers = 2 * n_micro if sync.zero == 3 else 1
-    out = defaultdict(int)
+    qwz, hpz = (gather.qwz_block, gather.hpz) if gather is not None else (0, False)
     for b in sync.buckets:  # (expert parallelism's expert buckets: over edp)
-        out[("reduce_scatter", b.group)] += reduces * 4 * b.padded
-        out[("all_gather", b.group)] += gathers * weight_bytes * b.padded
-    return {k: v for k, v in out.items() if sync.grid.size(k[1]) > 1}
+        if sync.scatter is not None:  # qgZ
+            q = sync.scatter
+            out[("all_to_all", "node")] += reduces * quantized_bytes(b.padded, q.bits, q.block)
+            out[("all_to_all", "nodes")] += reduces * quantized_bytes(b.padded // grid.node_dp, q.bits, q.block)
+        else:
+            out[("reduce_scatter", b.group)] += reduces * 4 * b.padded
+        if b.group == "zs":
+            out[("all_reduce", "zr")] += 4 * b.shard_size
+        if sync.zero < 3:
+            out[("all_gather", b.group)] += weight_bytes * b.padded
+            continue
+        gathered = quantized_bytes(b.padded, 8, qwz) if qwz else weight_bytes * b.padded
+        backward_on_node = hpz and b is not sync.buckets[-1]  # (the last bucket: the embeddings' unit)
+        out[("all_gather", b.group)] += (1 if backward_on_node else 2) * n_micro * gathered
+        if backward_on_node:
+            out[("all_gather", "node")] += n_micro * weight_bytes * b.padded
+    return {k: v for k, v in out.items() if grid.size(k[1]) > 1}
+
+
+def quantized_bytes(n: int, bits: int, block: int) -> int:
+    """n elements as ZeRO++ sends them: bits/8 bytes of code each, and a 4-byte scale per block."""
+    return n * bits // 8 + n // block * 4
 
 
 

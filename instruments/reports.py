@@ -17,6 +17,7 @@ is here too, for the reports and for the tests that hold the formulas to it.
 
 import json
 import time
+from collections import defaultdict
 from dataclasses import asdict
 from pathlib import Path
 from statistics import median
@@ -157,7 +158,8 @@ def first_step_reports(run, memory: dict | None, gradient_events: list, gather_e
     if cfg.comm_report:
         expected = formulas.expected_traffic(run.model_cfg, grid, cfg.micro_batch_size,
                                              cfg.batch_size // grid.dp // cfg.micro_batch_size, cfg.seq_len,
-                                             run.sync, run.model, cfg.fp8_recipe if run.precision.fp8 else None)
+                                             run.sync, run.model, cfg.fp8_recipe if run.precision.fp8 else None,
+                                             run.gather)
         text = comm_report(grid, expected)
         matches = traffic_matches(grid, expected)
         out.append(text + f"\nformula matches measurement on every rank: {'yes' if matches else 'NO'}"
@@ -241,17 +243,26 @@ def comm_report(grid: Grid, expected: dict) -> str:
     """Measured bytes per (collective, group) next to the formula, and what a ring algorithm puts
     on each rank's link: 2(n-1)/n of the buffer for an all-reduce, (n-1)/n for the others."""
     cp = (f"cp {grid.cp_rank}, " if grid.cp > 1 else "") + (f"ep {grid.ep_rank}, " if grid.ep > 1 else "")
+    nodes = bool(grid.gpus_per_node)  # --gpus-per-node: which link each group's bytes travel on
     lines = [f"communication of one training step on rank {grid.rank} (dp {grid.dp_rank}, {cp}tp {grid.tp_rank}, "
              f"pp {grid.pp_rank}):",
              f"  {'collective':<15}{'group':<7}{'calls':>6}{'measured bytes':>16}{'formula':>14}  "
-             f"{'match':<6}{'ring bytes/rank':>16}"]
+             f"{'match':<6}{'ring bytes/rank':>16}" + ("  link" if nodes else "")]
+    by_link = defaultdict(lambda: [0, 0])
     for key in sorted(set(grid.traffic.counts) | set(expected)):
         op, group = key
         calls, measured = grid.traffic.counts.get(key, [0, 0])
         n = grid.size(group)
         ring = measured * (2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n if op != "send" else 1)
+        link = "network" if grid.crosses_nodes(group) else "node"
+        by_link[link][0] += measured
+        by_link[link][1] += expected.get(key, 0)
         lines.append(f"  {op:<15}{group:<7}{calls:>6}{measured:>16,}{expected.get(key, 0):>14,}  "
-                     f"{'yes' if measured == expected.get(key, 0) else 'NO':<6}{ring:>16,.0f}")
+                     f"{'yes' if measured == expected.get(key, 0) else 'NO':<6}{ring:>16,.0f}"
+                     + (f"  {link}" if nodes else ""))
+    if nodes:  # a collective's bytes counted on the slowest link it uses: across nodes if any rank is elsewhere
+        lines += [f"  on {link} links: {m:,} bytes measured, {f:,} by the formulas" for link, (m, f) in
+                  sorted(by_link.items())]
     return "\n".join(lines)
 
 
@@ -304,9 +315,10 @@ def zero_memory_report(opt, model: torch.nn.Module, grid: Grid) -> str:
     """Optimizer state on this rank against the ZeRO paper's K = 12 bytes per parameter / dp."""
     n = sum(p.numel() for p in model.parameters())
     measured = opt.memory_bytes() if isinstance(opt, ZeroAdamW) else 8 * n  # torch AdamW: two fp32 moments
-    formula = (12 if isinstance(opt, ZeroAdamW) else 8) * n / (grid.dp_cp if isinstance(opt, ZeroAdamW) else 1)
+    formula = (12 if isinstance(opt, ZeroAdamW) else 8) * n / (grid.zs if isinstance(opt, ZeroAdamW) else 1)
+    over = "zs" if grid.zs < grid.dp_cp else "dp" + (" cp" if grid.cp > 1 else "")  # (hybrid: a shard group)
     return (f"optimizer state on rank {grid.rank}: {measured:,} bytes for {n:,} local parameters; "
-            f"formula {('12 N / dp' + (' cp' if grid.cp > 1 else '')) if isinstance(opt, ZeroAdamW) else '8 N'} "
+            f"formula {f'12 N / {over}' if isinstance(opt, ZeroAdamW) else '8 N'} "
             f"= {formula:,.0f} "
             f"(padding {measured - formula:,.0f} bytes)")
 
