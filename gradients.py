@@ -31,6 +31,10 @@ ranks, only over the dp / ep that hold the same experts. They get buckets of the
 each rank's expert gradient already holds the losses of its whole ep group (their tokens came to it), so
 the sum over edp covers every rank's loss once.
 
+Hybrid ZeRO (`--zero-shard N`, zero.py): buckets are sharded over the N ranks of the `zs` group instead, and
+once reduced there, each shard is all-reduced over the `zr` group (the same shard in every other group), then
+divided by dp as always. ZeRO++'s qgZ replaces the reduce-scatter (`scatter`, zero.QuantizedReduceScatter).
+
 Which rank's copy of a replicated tensor counts is one rule, `Grid.owns`, shared with the
 checkpoints (which save exactly the copies that count).
 """

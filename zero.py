@@ -39,6 +39,14 @@ same storage, where autograd's views find the weights once more (FSDP does the s
 The embeddings' unit is used twice per forward (the tied wte is also the output layer): gathered for
 the embedding, freed, gathered again for the head and kept through the backward, which ends in the
 embedding again. Two gathers per forward and backward, like every other unit: 1.5x, exactly.
+
+Hybrid sharding (`--zero-shard N`; MiCS, Zhang et al. 2022; PyTorch's HSDP). ZeRO-3 over thousands of
+GPUs puts every all-gather on the network between nodes, the slowest link there is. With shard groups of
+N consecutive data-parallel ranks (one node's: the grid's `zs`), each group holds one whole copy of the
+state, sharded over its N ranks, and the groups are replicas of each other (`zr`): the all-gathers and
+reduce-scatters stay inside a group, and only one all-reduce of each 4Ψ/N gradient shard crosses nodes,
+once a step. Memory is that of ZeRO over N ranks instead of over all of them: the price of the fast link.
+ZeRO++ keeps the sharding global and makes the traffic cheaper instead (the last section: hpZ, qwZ, qgZ).
 """
 
 from dataclasses import dataclass
@@ -225,6 +233,7 @@ class ParamGather:
                  hpz: bool = False):
         sync = opt.sync
         self.grid, self.sync, self.qwz_block, self.hpz = sync.grid, sync, qwz_block, hpz
+        self.secondary_peak = 0  # hpZ: the most bytes of second copies held at once (--memory-report)
         self.units: list[Unit] = []  # forward order: root, block 0, (block 0's experts,) block 1, ...
         self.parts: list[list[int]] = []  # the units each use gathers: [root], [block 0(, its experts)], ...
         for b, st in zip(sync.buckets[::-1], opt.shards[::-1]):
@@ -297,6 +306,8 @@ class ParamGather:
         if self.hpz and self.use_of[j] > 0:  # a block's forward keeps the node's part; its backward used it
             n, part = self.grid.node_dp, u.bucket.padded // self.grid.node_dp
             u.secondary = None if in_backward() else u.buffer[self.grid.dp_cp_rank % n * part:][:part].clone()
+            held = sum(v.secondary.nbytes for v in self.units if v.secondary is not None)
+            self.secondary_peak = max(self.secondary_peak, held)
         u.state, u.gathering = "whole", None
         for p, view in u.bucket.views(u.buffer):
             p.data = view

@@ -231,9 +231,22 @@ def memory_report(run, memory: dict) -> str:
                     else ""))
     if acts.allocated is not None:
         lines.append(f"  allocator: {acts.allocated:,} bytes more held after the blocks' forward than before it")
+    if run.gather is not None and run.gather.hpz:
+        lines.append(hpz_memory_line(run.gather))
     lines.append("  ZeRO paper (16-bit weights and gradients, K = 12): 2Ψ+2Ψ+12Ψ (no ZeRO), 2Ψ+2Ψ+12Ψ/N (1), "
                  "2Ψ+(2Ψ+12Ψ)/N (2), (2Ψ+2Ψ+12Ψ)/N (3)")
     return "\n".join(grid.gather_objects("\n".join(lines)))  # text, once, after the step
+
+
+def hpz_memory_line(gather: ParamGather) -> str:
+    """hpZ's price: every block's weights over the node's L ranks, held from a block's forward to its
+    backward (at the end of the forward, all of them), beside ZeRO-3's own shard of them over N."""
+    units = [gather.units[j] for part in gather.parts[1:] for j in part]
+    blocks = sum(u.bucket.padded * u.buffer.element_size() for u in units)
+    L, N = gather.grid.node_dp, gather.grid.size(units[0].bucket.group)
+    return (f"  hpZ second copy of the blocks' weights: measured peak {gather.secondary_peak:,} bytes, formula "
+            f"weights / L = {blocks // L:,} (L = {L} ranks a node; ZeRO-3's own shard, weights / N: {blocks // N:,}) "
+            f"{'yes' if gather.secondary_peak == blocks // L else 'NO'}")
 
 
 # ----------------------------------------------------------------------------- traffic
