@@ -25,6 +25,10 @@ With experts (moe.py) a model holds more parameters than a token uses: the plan 
 FLOPs (so MFU and the step) on the active ones, splits the experts' memory over `ep` and adds expert
 parallelism's all-to-alls (plan_model's docstring says how).
 
+zero_variants() sets ZeRO-3 beside its hybrids for one model at scale (lesson 13): hybrid sharding over a
+node (MiCS) and ZeRO++ (qwZ, hpZ, qgZ), with zero.py's formulas, the bytes each puts on NVLink and on the
+network, what the step waits for, the days saved, and the cross-node reduction next to the paper's 4x.
+
 The hardware tables live here too: GPUS, what plan() needs of a GPU and its links, and GPU_PEAKS with
 `peak_flops`, the denominator of every MFU a run measures (reports.MFU; on a CPU a measured matmul).
 """
