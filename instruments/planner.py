@@ -25,6 +25,10 @@ With experts (moe.py) a model holds more parameters than a token uses: the plan 
 FLOPs (so MFU and the step) on the active ones, splits the experts' memory over `ep` and adds expert
 parallelism's all-to-alls (plan_model's docstring says how).
 
+zero_variants() sets ZeRO-3 beside its hybrids for one model at scale (lesson 13): hybrid sharding over a
+node (MiCS) and ZeRO++ (qwZ, hpZ, qgZ), with zero.py's formulas, the bytes each puts on NVLink and on the
+network, what the step waits for, the days saved, and the cross-node reduction next to the paper's 4x.
+
 The hardware tables live here too: GPUS, what plan() needs of a GPU and its links, and GPU_PEAKS with
 `peak_flops`, the denominator of every MFU a run measures (reports.MFU; on a CPU a measured matmul).
 """
@@ -37,7 +41,7 @@ import torch
 
 import model as gpt
 import moe
-from instruments.formulas import layer_activation_bytes
+from instruments.formulas import layer_activation_bytes, quantized_bytes
 from parallel import LayoutError
 
 
@@ -130,6 +134,13 @@ def measured_matmul_flops(n: int = 1024, seconds: float = 0.3) -> float:
 
 
 # ----------------------------------------------------------------------------- a run on paper
+
+
+def exposed_s(seconds: float, window: float, tail: float) -> float:
+    """What a transfer of `seconds` running beside `window` seconds of compute leaves the step waiting for:
+    the part that does not fit, and never less than its last bucket (`tail` seconds), launched as the
+    compute ends."""
+    return max(min(seconds, tail), seconds - window)
 
 
 def intensity(m: float, k: float, n: float) -> float:
@@ -362,9 +373,8 @@ def plan_model(shape: gpt.GPTConfig, seq_len: int, batch: int, n_gpus: int, tp: 
     bubble_s = (pp - 1) / vp * t_mb
     per_micro = t_mb + logits_s  # the last stage: its layers and the output layer
 
-    def exposed(seconds, window):  # a transfer beside `window` seconds of compute, its last bucket always exposed
-        tail = min(seconds, BUCKET_BYTES * ring(dp) / link["dp"])
-        return max(tail, seconds - window)
+    def exposed(seconds, window):
+        return exposed_s(seconds, window, BUCKET_BYTES * ring(dp) / link["dp"])
 
     if dp == 1:
         dp_s = 0.0
@@ -416,4 +426,136 @@ def format_plan(p: dict) -> str:
     if p["tokens"]:
         lines.append(f"budget  {p['tokens'] / 1e12:g}T tokens: {p['days']:.2f} days, "
                      f"{p['gpu_hours']:,.0f} GPU-hours")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- hybrid ZeRO and ZeRO++ on paper
+
+
+ZERO_PP_PAPER = 4.0  # Wang et al. 2023 (ZeRO++), abstract and section 4: cross-node volume 3M -> 0.75M per step
+
+
+def zero_variant_traffic(psi: float, root: float, dp: int, per_node: int, m: int, shard: int = 0, block: int = 256,
+                         weight_bytes: int = 2, grad_bytes: int = 4) -> dict[str, list[tuple[str, str, float, str]]]:
+    """ZeRO-3's data-parallel traffic per step over dp GPUs in nodes of `per_node`, three ways: {variant:
+    [(collective, link, bytes one GPU sends, what hides it)]}. psi parameters, `root` of them the embeddings'
+    unit (formulas.zero_traffic: it is gathered twice in the forward, never over the node alone); m
+    micro-batches; bytes as a ring puts them on a GPU's link: (n-1)/n of the buffer, 2(n-1)/n for an
+    all-reduce. A collective whose ranks sit on more than one node is counted on the network (as --comm-report
+    counts it: the ring's slowest hop sets its pace). The terms are formulas.zero_traffic's, per micro-batch:
+
+        ZeRO-3   reduce-scatter 4Ψ (fp32 gradients) and all-gather 2Ψ twice (forward, backward), over dp
+        MiCS     the same over a shard group of `shard` GPUs (default: one node), then once a step an
+                 all-reduce of the 4Ψ/shard gradient shard across the dp/shard replicas (zr)
+        ZeRO++   qwZ: the forward's gather in int8 + a scale per block, (1 + 4/block) bytes an element, over
+                 dp; hpZ: the backward's gather (2Ψ of the blocks) over the node; qgZ int4 (the paper's
+                 setting): an all-to-all of (1/2 + 4/block) bytes an element inside the node, then one of
+                 the node's partial sums, 1/per_node of them, across nodes
+
+    `what hides it`: "backward" (a gradient collective, behind the backward of its micro-batch), "forward"
+    (a weight gather, prefetched behind the compute), "step" (after the last backward: exposed)."""
+    nodes, shard = dp // per_node, shard or per_node
+    blocks = psi - root
+
+    def ring(n):
+        return (n - 1) / n
+
+    def link(n):  # consecutive ranks: a group of up to a node's size stays on it
+        return "node" if n <= per_node else "network"
+
+    def gathers(n, times):  # `times` gathers of every unit, the embeddings' one as many
+        return ("all_gather", link(n), times * m * weight_bytes * psi * ring(n), "forward")
+
+    replicas = dp // shard
+    return {
+        "ZeRO-3": [("reduce_scatter", link(dp), m * grad_bytes * psi * ring(dp), "backward"), gathers(dp, 2)],
+        "MiCS": [("reduce_scatter", link(shard), m * grad_bytes * psi * ring(shard), "backward"), gathers(shard, 2),
+                 ("all_reduce zr", link(dp), grad_bytes * psi / shard * 2 * ring(replicas), "step")],
+        "ZeRO++": [("all_to_all node", "node", m * quantized_bytes(psi, 4, block) * ring(per_node), "backward"),
+                   ("all_to_all nodes", link(dp), m * quantized_bytes(psi / per_node, 4, block) * ring(nodes),
+                    "backward"),
+                   ("all_gather qwZ", link(dp), m * (quantized_bytes(blocks, 8, block)
+                                                     + 2 * quantized_bytes(root, 8, block)) * ring(dp), "forward"),
+                   ("all_gather hpZ", "node", m * weight_bytes * blocks * ring(per_node), "forward")]}
+
+
+def zero_variants(shape: gpt.GPTConfig, seq_len: int, batch: int, n_gpus: int, tokens: float, gpu: str | GPU = "H100",
+                  gpus_per_node: int = 8, micro_batch: int = 1, recompute: str = "full", shard: int = 0,
+                  block: int = 256) -> dict:
+    """ZeRO-3, MiCS (shard group `shard`, default one node) and ZeRO++ (qwZ + hpZ + qgZ int4) for one model on
+    n_gpus of pure data parallelism (as the ZeRO++ paper runs them): per variant the bytes one GPU sends per
+    step on node and on network links (zero_variant_traffic), their seconds at LINK_EFFICIENCY of NVLink and
+    of the NIC, what of it the step waits for, the step, the days for `tokens` and the days saved against
+    ZeRO-3, and the memory per GPU.
+
+    The step is plan_model's (zero=3) with its data-parallel wait replaced: the gradient collectives hide
+    behind 2/3 of each micro-batch's compute (its backward), the gathers behind all of it, except what does
+    not fit and the last bucket's share; MiCS's replica all-reduce comes after the backward, all of it
+    exposed. So the ZeRO-3 row is plan_model's own step. (qgZ's all-to-alls are modeled overlapped, as
+    DeepSpeed runs them; zero.py's run synchronously.) Memory: ZeRO-3's state over dp, MiCS's over the
+    shard group, ZeRO++ adds hpZ's secondary copy, 2 bytes of the blocks' weights / gpus_per_node.
+
+    `ratio`: ZeRO-3's cross-node bytes over ZeRO++'s, next to the paper's 4x (ZERO_PP_PAPER). The paper counts
+    M = the fp16 weights' bytes: ZeRO-3 sends 3M across nodes (two gathers, a reduce-scatter of fp16
+    gradients), ZeRO++ 0.75M (0.5M of int8 weights, none for the backward, 0.25M of int4 gradients). Ours is
+    larger, for two reasons: the gradients here are fp32, so ZeRO-3's reduce-scatter is 4Ψ, not 2Ψ (8Ψ
+    in all, not 6Ψ); and zero.py's qgZ sends across nodes only each rank's 1/gpus_per_node share of its node's
+    partial sums, where the paper's 0.25M is the int4 gradient whole. `paper_ratio` is the same formulas under
+    the paper's two assumptions (2-byte gradients, the int4 gradient whole across nodes, no ring factors):
+    6Ψ / ((1 + 4/block) + (1/2 + 4/block))Ψ, under 4 by the scales alone."""
+    if n_gpus % gpus_per_node or gpus_per_node < 2 or n_gpus // gpus_per_node < 2:
+        raise LayoutError(f"{n_gpus} GPUs in nodes of {gpus_per_node}: the variants need two or more whole nodes")
+    if shard and (n_gpus % shard or shard < 2):
+        raise LayoutError(f"a shard group of {shard} must divide the {n_gpus} GPUs")
+    gpu = GPUS[gpu] if isinstance(gpu, str) else gpu
+    p = plan_model(shape, seq_len, batch, n_gpus, micro_batch=micro_batch, zero=3, tokens=tokens, gpu=gpu,
+                   recompute=recompute, gpus_per_node=gpus_per_node)
+    psi, m = p["params"], p["micro_batches"]
+    root = gpt.n_params(dataclasses.replace(shape, n_layer=0))  # embeddings and final norm: formulas.zero_traffic
+    rate = {"node": LINK_EFFICIENCY * gpu.nvlink, "network": LINK_EFFICIENCY * gpu.net}
+    per_micro = p["time"]["compute"] / m  # tp = pp = 1: a micro-batch is its compute
+    window = {"backward": 2 / 3 * per_micro * m, "forward": per_micro * m, "step": 0.0}
+    buffer = {"backward": 4 * psi * m, "forward": 2 * 2 * psi * m, "step": 1.0}  # whose last bucket is exposed
+    without_dp = p["modeled_step_s"] - p["time"]["dp"]
+    weights, grads, optimizer = state_bytes(psi, n_gpus, 3)
+    activations = p["memory"]["activations"]
+    out = {}
+    for name, terms in zero_variant_traffic(psi, root, n_gpus, gpus_per_node, m, shard, block).items():
+        by_link = {k: sum(b for _, where, b, _ in terms if where == k) for k in rate}
+        wait = 0.0
+        for when in window:
+            seconds = sum(b / rate[where] for _, where, b, w in terms if w == when)
+            wait += exposed_s(seconds, window[when], seconds * min(1.0, BUCKET_BYTES / buffer[when]))
+        memory = {"ZeRO-3": weights + grads + optimizer,
+                  "MiCS": sum(state_bytes(psi, shard or gpus_per_node, 3)),
+                  "ZeRO++": weights + grads + optimizer + 2 * (psi - root) / gpus_per_node}[name] + activations
+        step = without_dp + wait
+        out[name] = {"node": by_link["node"], "network": by_link["network"], "terms": terms,
+                     "comm_s": {k: by_link[k] / rate[k] for k in rate}, "dp_s": wait, "step_s": step,
+                     "days": tokens / (batch * seq_len) * step / 86400, "memory": memory,
+                     "fits": memory <= HEADROOM * gpu.hbm}
+    for v in out.values():
+        v["days_saved"] = out["ZeRO-3"]["days"] - v["days"]
+    scales = 4 / block
+    return {"variants": out, "plan": p, "n_gpus": n_gpus, "gpus_per_node": gpus_per_node, "tokens": tokens,
+            "shard": shard or gpus_per_node, "ratio": out["ZeRO-3"]["network"] / out["ZeRO++"]["network"],
+            "paper_ratio": 6 / ((1 + scales) + (0.5 + scales)), "paper": ZERO_PP_PAPER}
+
+
+def format_zero_variants(z: dict) -> str:
+    """zero_variants() as a table, one variant a row (GB = 1e9 bytes)."""
+    p = z["plan"]
+    gpu = p["gpu"]
+    lines = [f"{p['params'] / 1e9:.1f}B parameters on {z['n_gpus']} {gpu.name} in nodes of {z['gpus_per_node']}, "
+             f"pure ZeRO data parallelism, {p['micro_batches']} micro-batches of {p['micro_batch']} per GPU and step, "
+             f"{z['tokens'] / 1e9:g}B tokens; links at {LINK_EFFICIENCY:.0%} of NVLink's {gpu.nvlink / 1e9:.0f} "
+             f"GB/s and the NIC's {gpu.net / 1e9:.0f} GB/s",
+             f"{'':<8}{'node GB':>9}{'network GB':>12}{'comm s':>8}{'exposed s':>11}{'step s':>8}{'days':>7}"
+             f"{'saved':>7}{'memory GB':>11}"]
+    for name, v in z["variants"].items():
+        lines.append(f"{name:<8}{v['node'] / 1e9:>9.1f}{v['network'] / 1e9:>12.1f}{sum(v['comm_s'].values()):>8.1f}"
+                     f"{v['dp_s']:>11.1f}{v['step_s']:>8.1f}{v['days']:>7.1f}{v['days_saved']:>7.1f}"
+                     f"{v['memory'] / 1e9:>11.1f}{'' if v['fits'] else '  does not fit'}")
+    lines.append(f"cross-node bytes, ZeRO-3 / ZeRO++: {z['ratio']:.2f}x here; the paper's accounting "
+                 f"{z['paper_ratio']:.2f}x; the paper reports {z['paper']:g}x")
     return "\n".join(lines)

@@ -217,6 +217,8 @@ def memory_report(run, memory: dict) -> str:
     formula, acts = formulas.state_formula(run.model, run.opt, run.sync, grid), memory["activations"]
     cp = (f"cp {grid.cp_rank}, " if grid.cp > 1 else "") + (f"ep {grid.ep_rank}, " if grid.ep > 1 else "")
     n = f"N = dp x cp = {grid.dp_cp}" if grid.cp > 1 else f"N = dp = {grid.dp}"
+    if grid.zs < grid.dp_cp:  # hybrid ZeRO: the state is sharded over a shard group
+        n = f"N = zs = {grid.zs} (shard groups of --zero-shard ranks)"
     lines = [f"memory on rank {grid.rank} (dp {grid.dp_rank}, {cp}tp {grid.tp_rank}, pp {grid.pp_rank}), "
              f"ZeRO stage {cfg.zero}, {n}:",
              f"  {'':<12}{'measured bytes':>16}{'formula':>16}  {'':<10}match"]

@@ -560,3 +560,41 @@ def test_kv_cache_bytes_are_what_sampling_holds():
         held[preset] = sum(c.k.nbytes + c.v.nbytes for c in caches)
         assert held[preset] == formulas.kv_cache_bytes(cfg, 3, 20, element_bytes=4)
     assert held["llama-tiny"] * 2 == held["tiny"]
+
+
+def test_zero_variants_bytes_by_link_are_the_hand_computation():
+    t = planner.zero_variant_traffic(1000, 200, dp=16, per_node=4, m=2, block=50)  # Ψ = 1000, the embeddings' 200
+
+    def on(name, link):
+        return sum(b for _, where, b, _ in t[name] if where == link)
+
+    # ZeRO-3: reduce-scatter 4Ψ and two gathers of 2Ψ per micro-batch, all over 16 ranks on 4 nodes
+    assert (on("ZeRO-3", "node"), on("ZeRO-3", "network")) == (0, 2 * (4 + 2 * 2) * 1000 * 15 / 16)
+    # MiCS: the same inside the node (4 ranks); once a step the 4Ψ/4 shard all-reduced over 4 replicas
+    assert (on("MiCS", "node"), on("MiCS", "network")) == (2 * 8000 * 3 / 4, 1000 * 2 * 3 / 4)
+    # ZeRO++: int4 (1/2 + 4/50 bytes an element) all-to-alls of Ψ in the node, Ψ/4 across nodes; the backward's
+    # 2Ψ of the blocks in the node; the forward's int8 (1 + 4/50) over all 16, the embeddings' unit twice
+    node = 2 * (500 + 80) * 3 / 4 + 2 * 2 * 800 * 3 / 4
+    network = 2 * (125 + 20) * 3 / 4 + 2 * ((800 + 64) + 2 * (200 + 16)) * 15 / 16
+    assert (on("ZeRO++", "node"), on("ZeRO++", "network")) == (node, network)
+    wide = planner.zero_variant_traffic(1000, 200, dp=16, per_node=4, m=2, shard=8, block=50)["MiCS"]
+    assert {where for _, where, _, _ in wide} == {"network"}  # a shard group wider than a node: all across
+
+
+def test_zero_variants_gpt3_at_1024_gpus():
+    gpt3 = gpt.GPTConfig(n_layer=96, n_head=96, n_embd=12288, block_size=2048, vocab_size=50257)
+    z = planner.zero_variants(gpt3, 2048, 2048, 1024, 300e9)
+    v, p = z["variants"], z["plan"]
+    # the ZeRO-3 row is plan_model's own (zero=3): its data-parallel bytes, its step, its days
+    assert v["ZeRO-3"]["network"] == pytest.approx(p["comm"]["dp"]) and v["ZeRO-3"]["node"] == 0
+    assert v["ZeRO-3"]["days"] == pytest.approx(p["days"]) and v["ZeRO-3"]["days_saved"] == 0
+    assert v["ZeRO++"]["network"] < v["MiCS"]["network"] * 3 < v["ZeRO-3"]["network"]
+    assert 0 < v["MiCS"]["days_saved"] and 0 < v["ZeRO++"]["days_saved"] < v["ZeRO-3"]["days"]
+    assert not v["MiCS"]["fits"] and v["ZeRO-3"]["fits"] and v["ZeRO++"]["fits"]  # MiCS: 18 bytes / 8 GPUs, no
+    assert v["ZeRO++"]["memory"] - v["ZeRO-3"]["memory"] == pytest.approx(2 * (p["params"] - 643325952) / 8)
+    # the paper's accounting (fp16 gradients, the int4 gradient whole across nodes): its 4x but for the scales
+    assert z["paper_ratio"] == pytest.approx(6 / (1.5 + 8 / 256)) and abs(z["paper_ratio"] / 4 - 1) < 0.03
+    assert z["ratio"] > 7 and "does not fit" in planner.format_zero_variants(z)  # ours: fp32 gradients, 1/8 across
+    for gpus, shard in [(8, 0), (12, 0), (16, 3)]:  # one node, part of a node, a shard group that does not divide
+        with pytest.raises(parallel.LayoutError):
+            planner.zero_variants(gpt3, 2048, 2 * gpus, gpus, 1e9, shard=shard)
