@@ -373,7 +373,8 @@ class ParamGather:
 #        pass on; it sums them in fp32), then across nodes (the partial sums of its own shard from every
 #        node, summed in fp32). Quantizing once per hop instead of once per ring step (a ring of n ranks
 #        would re-quantize n-1 times) keeps the error of one hop, and what crosses nodes is 1/L of
-#        what the node exchanged
+#        what the node exchanged. Here the two run at once, in the hook of the bucket's last gradient
+#        (the second needs the first's sums), so unlike DeepSpeed's they do not overlap the backward
 #
 # A block's scale is its largest |x| over the largest code (127 for int8, 7 for int4), so each element is
 # off by at most half a scale: |x - dequantize(quantize(x))| <= max|block| / (2 x 127) (int8; / 14 for int4).
