@@ -338,8 +338,13 @@ def gpus_per_node(cfg: TrainConfig) -> int:
         return cfg.gpus_per_node
     local, world = int(os.environ.get("LOCAL_WORLD_SIZE", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     dp_cp = world // (cfg.tp * cfg.pp * cfg.cp) * cfg.cp
-    fits = local and local % cfg.tp == 0 and dp_cp and dp_cp % min(local // cfg.tp, dp_cp) == 0
-    return local if fits and local < world else 0
+    if not 0 < local < world or not dp_cp:
+        return 0
+    try:  # the rule --gpus-per-node is held to
+        parallel.check_nodes(dp_cp, cfg.tp, 0, local)
+    except parallel.LayoutError:
+        return 0
+    return local
 
 
 def check_hybrid(cfg: TrainConfig) -> None:
