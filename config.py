@@ -61,7 +61,7 @@ class TrainConfig:
     n_layer: int = arg(0, "transformer blocks; part of the architecture, so a checkpoint of another depth is "
                        "refused", at_least(1), shown="the preset's")
     block_size: int = arg(0, "the model's context, the longest --seq-len (GPT-2: rows of its learned position table) "
-                          "(longer than the preset's for long-context runs, lesson 14); part of the architecture, "
+                          "(longer than the preset's for long-context runs, lesson 15); part of the architecture, "
                           "like --n-layer", at_least(1), shown="the preset's")
     seq_len: int = arg(0, "tokens per sequence", at_least(1), shown="the model's context on CUDA, 128 on CPU")
     dropout: float = arg(0.0, "dropout probability", (lambda v: 0 <= v < 1, "must be in [0, 1)"))

@@ -40,7 +40,7 @@ rebuilds any probability as p = 2^(s - lse) instead of storing P. The backward, 
 
 (times 1/sqrt(d) for dQ and dK). One kernel per key block sums dK, dV over the query blocks, one per
 query block sums dQ over the key blocks: every output has a single writer, so no atomics, and the
-gradients are bitwise deterministic. Lesson 05 derives all of this step by step.
+gradients are bitwise deterministic. Lesson 06 derives all of this step by step.
 
 Grouped-query attention (GQA: Ainslie et al. 2023). Each of the H query heads keeps its own q, but the
 keys and values are shared: H_kv kv heads, each read by a group of G = H / H_kv query heads. H_kv = H

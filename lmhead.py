@@ -8,7 +8,7 @@ against a 50,304-row vocabulary is 3.3 GB in fp32, and the textbook loss keeps a
 chunk of rows are made, turned into the loss *and* their gradient at once, and dropped before the
 next chunk: memory of one chunk plus a weight-sized gradient, the same FLOPs. model.CrossEntropy
 calls it on one device; parallel.VocabParallelLoss calls it with a vocabulary offset and an
-all-reduce, which makes it Megatron's vocab-parallel cross-entropy. Lessons 1 and 8.
+all-reduce, which makes it Megatron's vocab-parallel cross-entropy. Lessons 1 and 10.
 """
 
 import torch

@@ -124,7 +124,7 @@ BUBBLE_WARNING = 0.3  # train.py warns when the pipeline would idle more than th
 
 def bubble_warning(p: int, m: int, v: int = 1) -> str | None:
     """The line train.py logs when a pipeline would idle more than BUBBLE_WARNING of each step: fewer
-    than about 2.3 (p-1)/v micro-batches. m >= 4 p, the rule of thumb of lessons 09 and 10, keeps the
+    than about 2.3 (p-1)/v micro-batches. m >= 4 p, the rule of thumb of lessons 11 and 12, keeps the
     bubble under 20%."""
     if p == 1 or (bubble := bubble_formula(p, m, v)) <= BUBBLE_WARNING:
         return None

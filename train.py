@@ -18,7 +18,7 @@ principle 3). The tests hold every layout to that.
 Mixed precision, loss scaling, the schedule, clipping and the spike guard (lesson 02) live in
 stability.py.
 
-Checkpoints (lesson 04) are written by checkpoint.py; a run whose --out holds one resumes from
+Checkpoints (lesson 05) are written by checkpoint.py; a run whose --out holds one resumes from
 it. The loss-spike guard rolls back to the last checkpoint and skips the batch that caused it.
 
 Every step goes to --out/metrics.jsonl (support/rundir.py). What a run measures beyond that is the

@@ -10,7 +10,7 @@
                of a Llama layer (llama_activation_bytes: RMSNorm, GQA's narrower k and v, SwiGLU)
 
 Nothing here measures or prints: reports.py measures and says, planner.py works a whole run out on
-paper, and lessons 07-14 check their arithmetic with these. (The pipeline's bubble, (p-1)/(v m + p-1),
+paper, and lessons 09-15 check their arithmetic with these. (The pipeline's bubble, (p-1)/(v m + p-1),
 is pipeline.py's: the schedules' own simulator checks it.)
 """
 

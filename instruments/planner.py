@@ -19,13 +19,13 @@ A matmul's speed depends on its shape (matmul_seconds: FLOPs at the rate a large
 plus its operands' bytes at memory bandwidth), so a large tp or a small micro-batch, which shrink
 the per-GPU matmuls, also slow them. One number is fitted: matmul_eff, 0.73 of peak, from Narayanan
 et al. 2021's table 1, which plan() then reproduces within 6% (tests/test_plan.py); GPT-3's 34 days
-come out within 4%. Lessons 10 and 12 use it to choose layouts.
+come out within 4%. Lessons 12 and 19 use it to choose layouts.
 
 With experts (moe.py) a model holds more parameters than a token uses: the plan prints both, counts the
 FLOPs (so MFU and the step) on the active ones, splits the experts' memory over `ep` and adds expert
 parallelism's all-to-alls (plan_model's docstring says how).
 
-zero_variants() sets ZeRO-3 beside its hybrids for one model at scale (lesson 13): hybrid sharding over a
+zero_variants() sets ZeRO-3 beside its hybrids for one model at scale (lesson 14): hybrid sharding over a
 node (MiCS) and ZeRO++ (qwZ, hpZ, qgZ), with zero.py's formulas, the bytes each puts on NVLink and on the
 network, what the step waits for, the days saved, and the cross-node reduction next to the paper's 4x.
 

@@ -23,7 +23,7 @@ Cut the signature into b = 16 bands of r = 8 rows. Two documents whose band k is
 bucket of band k; a pair with similarity s shares at least one bucket with probability
 1 - (1 - s^r)^b, an S-curve: 6% at s = 0.5, 61% at 0.7, 95% at 0.8, 99.99% at 0.9. That is the
 chance to be *compared*. A compared pair is then joined only if its estimate reaches the threshold,
-and near the threshold its error (+-0.035 at s = 0.8) often leaves it short: measured (lesson 3,
+and near the threshold its error (+-0.035 at s = 0.8) often leaves it short: measured (lesson 4,
 and tests/test_data.py on 300-word documents), 67% to 77% of the pairs of similarity [0.80, 0.85)
 are found, 98% of [0.85, 0.90), all above 0.9; and a fifth to a quarter of those of [0.75, 0.80)
 are joined too.

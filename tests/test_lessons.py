@@ -458,7 +458,7 @@ def write_outputs(doc: Path) -> list[int]:
     return sorted({fences[k][0] for k in rewrite})
 
 
-if __name__ == "__main__":  # python tests/test_lessons.py lessons/07-data-parallel.md ...
+if __name__ == "__main__":  # python tests/test_lessons.py lessons/09-data-parallel.md ...
     if (env := environment()) != REFERENCE:
         print(f"note: this is not the environment the pages were recorded in: REFERENCE = {env} here")
     for arg in sys.argv[1:]:

@@ -1,4 +1,4 @@
-"""planner.plan and formulas.py: the paper estimates of lesson 12, held to model.py, to what autograd and the
+"""planner.plan and formulas.py: the paper estimates of lesson 19, held to model.py, to what autograd and the
 allocator measure (reports.py), and to published figures."""
 
 import pytest
@@ -102,7 +102,7 @@ def test_activations_under_1f1b_are_all_layers_whatever_pp():
     per_layer = formulas.activation_bytes(4096, 1, 8192, 64, tp=8, sp=True)  # bf16, flash, no dropout
     assert per_layer == 2 * 4096 * 8192 * (2 / 8 + 2 + 12 / 8)  # LN inputs / t, LN outputs whole, the rest / t
     assert acts == [per_layer * 80] * 4  # 20.1 GB
-    # interleaved: pp + (pp - 1) / vp stages' worth (lesson 09 counts 11 chunks = 5.5 stages for p 4, v 2)
+    # interleaved: pp + (pp - 1) / vp stages' worth (lesson 11 counts 11 chunks = 5.5 stages for p 4, v 2)
     inter = planner.plan(80, 64, 8192, 32000, 4096, batch=1024, n_gpus=256, tp=8, pp=4, vp=2)
     assert inter["memory"]["activations"] == pytest.approx(per_layer * 20 * 5.5)
 
@@ -326,7 +326,7 @@ def test_zero3_moves_one_and_a_half_times_the_bytes_and_recomputation_keeps_one_
 
 # ----------------------------------------------------------------------------- step time from the layout
 
-LLAMA70 = (80, 64, 8192, 32000, 4096, 1024)  # lesson 12's shape, 4M-token steps
+LLAMA70 = (80, 64, 8192, 32000, 4096, 1024)  # lesson 19's shape, 4M-token steps
 
 
 def test_matmul_efficiency_is_the_stated_model():
@@ -382,7 +382,7 @@ def test_more_micro_batches_shrink_the_bubble():
 
 
 def test_the_layouts_of_lesson_12_are_ranked():
-    """Every 512-GPU row of lesson 12 used to take the same 8.70 s: now the layout decides."""
+    """Every 512-GPU row of lesson 19 used to take the same 8.70 s: now the layout decides."""
     steps = {(tp, pp): planner.plan(*LLAMA70, 512, tp=tp, pp=pp)["step_s"]
              for tp, pp in ((4, 4), (8, 1), (8, 2), (8, 4))}
     assert len({round(s, 2) for s in steps.values()}) == 4
@@ -416,7 +416,7 @@ def test_headroom_decides_what_fits():
                                            (4, 8, 2, False), (4, 4, 2, False), (8, 16, 1, True), (8, 32, 1, False),
                                            (1, 1, 1, False)])
 def test_pipeline_warning_when_the_bubble_exceeds_its_threshold(pp, m, vp, warns):
-    """train.py logs this line: lesson 09's --pp 4 --micro-batch-size 2 (m = 4: 43%) warns, its
+    """train.py logs this line: lesson 11's --pp 4 --micro-batch-size 2 (m = 4: 43%) warns, its
     --pp 4 run with m = 8 (27%) does not; m >= 4 p never warns."""
     line = pipeline.bubble_warning(pp, m, vp)
     assert (line is not None) == warns == ((pp - 1) / (vp * m + pp - 1) > pipeline.BUBBLE_WARNING)
