@@ -225,7 +225,7 @@ def state_formula(model: torch.nn.Module, opt, sync: GradSync | None, grid: Grid
 
 def activation_bytes(seq_len: int, micro_batch: int, d_model: int, n_head: int, tp: int = 1, sp: bool = False,
                      recompute: str = "none", attn: str = "flash", act_bytes: int = 2, mask_bytes: int = 1,
-                     dropout: float = 0.0, norm_bytes: int | None = None) -> float:
+                     dropout: float = 0.0, norm_bytes: int | None = None, residual_bytes: int | None = None) -> float:
     """The activation-memory model of this codebase: bytes one layer of `model.py` saves for its
     backward, per micro-batch, on one tensor-parallel rank. `plan()`, `--memory-report` and the
     lessons all use it (measured on the tiny model: SavedActivations, tests/test_model.py). In
@@ -237,16 +237,18 @@ def activation_bytes(seq_len: int, micro_batch: int, d_model: int, n_head: int, 
         the softmax probabilities, math backend only (flash kernels keep none)        a s^2 b / t
         dropout masks (dropout > 0), two residual dropouts of `mask_bytes` per element   2 s b h   (/t under SP)
           (CUDA's fused dropout keeps a 1-byte mask; the CPU's keeps it in the activations' dtype)
-    So in bf16 with a flash kernel and no dropout, 32 s b h bytes (16 elements), whatever the
-    sequence length. A LayerNorm keeps its input in the residual stream's dtype, which is the
-    parameters' (fp32 unless ZeRO keeps them in 16 bits: the embedding starts the stream), and on CUDA
+    So with a flash kernel and no dropout, 16 elements per s b h, whatever the sequence length. A
+    LayerNorm keeps its input in the residual stream's dtype, which is the parameters' (fp32 in
+    train.py; 16-bit parameters keep a 16-bit stream: the embedding starts it), and on CUDA
     always in fp32, where autocast runs layer_norm in fp32 and it keeps the fp32 copy it was given:
-    `norm_bytes` (default `act_bytes`). `recompute`:
+    `norm_bytes` (default `act_bytes`). So in bf16 on fp32 parameters (this codebase's recipe) a layer
+    keeps 2 x 4 + 2 x 14 = 36 s b h bytes. `recompute`:
         none       all of the above
         selective  drops the probabilities (and the kernels' logsumexp): with a flash kernel that is
                    all it can drop, so it saves nothing here but costs nearly nothing either
-        full       keeps the block input alone: s b h (/t under SP), a factor of 16 on the flash path
-                   (and in the backward one layer at a time is rebuilt whole: plan() adds that one)
+        full       keeps the block input alone, the residual stream, of `residual_bytes` (the parameters'
+                   dtype; default `act_bytes`): s b h (/t under SP), a factor of 36/4 = 9 in bf16 on
+                   fp32 parameters (and in the backward one layer at a time is rebuilt whole: plan() adds it)
     Korthikanti et al.'s accounting (korthikanti_bytes) differs in two places: it stores the s x s
     matrix three times over (5 a s / h: probabilities, dropout mask, dropped probabilities), which no
     flash kernel keeps; and under SP Megatron-LM keeps the column-parallel inputs sequence-sharded and
@@ -256,7 +258,7 @@ def activation_bytes(seq_len: int, micro_batch: int, d_model: int, n_head: int, 
     s, b, h, a, t = seq_len, micro_batch, d_model, n_head, tp
     replicated = s * b * h / t if sp else s * b * h  # what tensor parallelism alone does not split
     if recompute == "full":
-        return replicated * act_bytes
+        return replicated * (residual_bytes or act_bytes)
     saved = (norm_bytes or act_bytes) * 2 * replicated + act_bytes * (2 * s * b * h + 12 * s * b * h / t)
     saved += act_bytes * a * s * s * b / t if attn == "math" and recompute != "selective" else 0
     return saved + (2 * replicated * mask_bytes if dropout > 0 else 0)
@@ -279,7 +281,7 @@ def korthikanti_bytes(seq_len: int, micro_batch: int, d_model: int, n_head: int,
 def llama_activation_bytes(seq_len: int, micro_batch: int, d_model: int, n_head: int, n_kv_head: int, hidden: int,
                            tp: int = 1, sp: bool = False, recompute: str = "none", attn: str = "flash",
                            act_bytes: int = 2, mask_bytes: int = 1, dropout: float = 0.0, norm_bytes: int = 4,
-                           fused_norm: bool = False) -> float:
+                           fused_norm: bool = False, residual_bytes: int | None = None) -> float:
     """activation_bytes for a Llama-family layer (model.py's arch="llama"), counted as GPT-2's is: bytes one
     layer saves for its backward, per micro-batch, on one tensor-parallel rank, with f = `hidden` (SwiGLU's
     width) and r = n_kv_head / n_head. In elements of `act_bytes`, per layer:
@@ -305,11 +307,11 @@ def llama_activation_bytes(seq_len: int, micro_batch: int, d_model: int, n_head:
     (f = 3.5 h, r = 1/4, fused fp32 norms) that is 2 x 4 + 2 (2 + 1.5 + 1 + 14) = 45 bytes per s b h, where
     a GPT-2 layer keeps 2 x 4 + 2 (2 + 3 + 1 + 8) = 36: GQA saves 3, the wider MLP costs 12. `recompute`:
     none keeps all of it; selective drops the math backend's term (and the logsumexp); full keeps the block
-    input alone, s b h (/t under SP), as GPT-2's."""
+    input alone, s b h (/t under SP) of `residual_bytes`, as GPT-2's."""
     s, b, h, a, f, t, r = seq_len, micro_batch, d_model, n_head, hidden, tp, n_kv_head / n_head
     replicated = s * b * h / t if sp else s * b * h  # what tensor parallelism alone does not split
     if recompute == "full":
-        return replicated * act_bytes
+        return replicated * (residual_bytes or act_bytes)
     norms = (2 if fused_norm else 4) * replicated * norm_bytes
     saved = norms + act_bytes * (2 * s * b * h + ((1 + 2 * r) * s * b * h + s * b * h + 4 * s * b * f) / t)
     if attn == "math" and recompute != "selective":
@@ -319,23 +321,24 @@ def llama_activation_bytes(seq_len: int, micro_batch: int, d_model: int, n_head:
 
 def layer_activation_bytes(cfg: gpt.GPTConfig, seq_len: int, micro_batch: int, tp: int, sp: bool, recompute: str,
                            attn: str, act_bytes: int, mask_bytes: int = 1, norm_bytes: int | None = None,
-                           fused_norm: bool = False) -> float:
+                           fused_norm: bool = False, residual_bytes: int | None = None) -> float:
     """The activation model of the architecture `cfg` describes: activation_bytes for GPT-2,
     llama_activation_bytes for the Llama family (its RMSNorms keep fp32: `norm_bytes` is GPT-2's LayerNorm's)."""
     if cfg.llama:
         return llama_activation_bytes(seq_len, micro_batch, cfg.n_embd, cfg.n_head, cfg.kv_heads, cfg.hidden, tp,
-                                      sp, recompute, attn, act_bytes, mask_bytes, cfg.dropout, 4, fused_norm)
+                                      sp, recompute, attn, act_bytes, mask_bytes, cfg.dropout, 4, fused_norm,
+                                      residual_bytes)
     return activation_bytes(seq_len, micro_batch, cfg.n_embd, cfg.n_head, tp, sp, recompute, attn, act_bytes,
-                            mask_bytes, cfg.dropout, norm_bytes)
+                            mask_bytes, cfg.dropout, norm_bytes, residual_bytes)
 
 
 def activation_formula(cfg: gpt.GPTConfig, seq_len: int, micro_batch: int, tp: int, sp: bool, recompute: str,
                        attn: str, act_bytes: int, mask_bytes: int = 1, norm_bytes: int | None = None,
-                       fused_norm: bool = False) -> tuple[float, float | None]:
+                       fused_norm: bool = False, residual_bytes: int | None = None) -> tuple[float, float | None]:
     """(layer_activation_bytes, korthikanti_bytes) of one layer of the model `cfg` describes, per micro-batch;
     Korthikanti et al. counted GPT-2's layer, so a Llama's has no second number (None)."""
     ours = layer_activation_bytes(cfg, seq_len, micro_batch, tp, sp, recompute, attn, act_bytes, mask_bytes,
-                                  norm_bytes, fused_norm)
+                                  norm_bytes, fused_norm, residual_bytes)
     paper = None if cfg.llama else korthikanti_bytes(seq_len, micro_batch, cfg.n_embd, cfg.n_head, tp, sp, recompute)
     return ours, paper
 

@@ -313,8 +313,9 @@ def plan_model(shape: gpt.GPTConfig, seq_len: int, batch: int, n_gpus: int, tp: 
     moe_here = layers * moe.moe_layers(L, E, shape.moe_every) / L  # of them MoE layers (on average)
     in_flight = min(m, pp + (pp - 1) / vp if vp > 1 else pp)  # stages' worth of micro-batches stage 0 holds
 
-    def per_layer(mode):  # bf16 activations, 1-byte masks; a Llama's RMSNorms in fp32 through the fused kernel
-        return layer_activation_bytes(shape, s, b, tp, sp, mode, attn, 2, 1, fused_norm=True)
+    def per_layer(mode):  # bf16 activations, 1-byte masks, an fp32 residual stream (the LayerNorms' inputs, and
+        # the block input full recomputation keeps); a Llama's RMSNorms in fp32 through the fused kernel
+        return layer_activation_bytes(shape, s, b, tp, sp, mode, attn, 2, 1, 4, True, residual_bytes=4)
 
     activations = per_layer(recompute) * layers * in_flight
     if recompute == "full":

@@ -213,7 +213,7 @@ def memory_report(run, memory: dict) -> str:
     residual = next(run.model.parameters()).dtype.itemsize  # the stream the LayerNorms read (activation_bytes)
     ours, paper = formulas.activation_formula(run.model_cfg, cfg.seq_len // grid.cp, cfg.micro_batch_size, grid.tp,
                                               grid.sp, cfg.recompute, cfg.attn, elem, 1 if cuda else elem,
-                                              4 if cuda else residual, fused_norm=cuda)
+                                              4 if cuda else residual, fused_norm=cuda, residual_bytes=residual)
     formula, acts = formulas.state_formula(run.model, run.opt, run.sync, grid), memory["activations"]
     cp = (f"cp {grid.cp_rank}, " if grid.cp > 1 else "") + (f"ep {grid.ep_rank}, " if grid.ep > 1 else "")
     n = f"N = dp x cp = {grid.dp_cp}" if grid.cp > 1 else f"N = dp = {grid.dp}"
