@@ -131,10 +131,11 @@ def expert_traffic(cfg: gpt.GPTConfig, model: torch.nn.Module, n_micro: int, rec
     return {("all_to_all", "ep"): 2 * (rows + rows // forwards) * cfg.n_embd * 4 + counts}
 
 
-def context_traffic(grid: Grid, act: int, recompute: str, kv: int | None = None) -> dict:
+def context_traffic(grid: Grid, act: int, recompute: str, kv: int | None = None, grad_kv: int | None = None) -> dict:
     """Bytes one micro-batch's context-parallel attention sends from this rank, `act` being the bytes of
     one (b, s/cp, h/tp) activation summed over this stage's layers (context.py's docstring), and `kv` those
-    of K (or V): act again, or act H_kv / H under grouped-query attention:
+    of K (or V): act again, or act H_kv / H under grouped-query attention; `grad_kv` those of dK (fp32:
+    kv again in an fp32 run, 2 kv in bf16; the planner's case):
         ring     forward: cp-1 hops of K and V (2 kv); backward: cp-1 hops of K and V, and cp hops
                  of dK and dV (fp32, the last one home)
         ulysses  forward: an all-to-all of q, k, v (act + 2 kv) and one of the output (act); backward the same
@@ -143,7 +144,7 @@ def context_traffic(grid: Grid, act: int, recompute: str, kv: int | None = None)
     if grid.cp_attn == "ulysses":
         return {("all_to_all", "cp"): (2 + again) * (2 * act + 2 * kv)}
     hops = grid.cp - 1
-    return {("send", "cp"): (1 + again) * hops * 2 * kv + (hops + grid.cp) * 2 * kv}
+    return {("send", "cp"): (1 + again) * hops * 2 * kv + hops * 2 * kv + grid.cp * 2 * (grad_kv or kv)}
 
 
 def zero_traffic(sync: GradSync, n_micro: int, weight_bytes: int, gather: ParamGather | None = None) -> dict:

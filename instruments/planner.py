@@ -36,12 +36,13 @@ The hardware tables live here too: GPUS, what plan() needs of a GPU and its link
 import dataclasses
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
 import model as gpt
 import moe
-from instruments.formulas import layer_activation_bytes, quantized_bytes
+from instruments.formulas import context_traffic, layer_activation_bytes, quantized_bytes
 from parallel import LayoutError
 
 
@@ -204,12 +205,13 @@ def plan(n_layer: int, n_head: int, d_model: int, vocab: int, seq_len: int, batc
 def plan_model(shape: gpt.GPTConfig, seq_len: int, batch: int, n_gpus: int, tp: int = 1, pp: int = 1,
                micro_batch: int = 1, zero: int = 1, tokens: float = 0.0, mfu: float | None = None,
                gpu: str | GPU = "H100", grad_bytes: int = 4, recompute: str = "none", attn: str = "flash",
-               sp: bool = True, dropout: float = 0.0, vp: int = 1, gpus_per_node: int = 8, ep: int = 1) -> dict:
+               sp: bool = True, dropout: float = 0.0, vp: int = 1, gpus_per_node: int = 8, ep: int = 1,
+               cp: int = 1, cp_attn: str = "ring") -> dict:
     """One training run of a model of model.py's `shape` (GPT-2 or the Llama family: a preset's
     config_from_preset; dense, or with experts), on paper: what each GPU holds, what it sends per optimizer
     step, how long a step takes on this layout and so how long `tokens` take.
-    `batch` is the global batch in sequences (train.py's --batch-size); dp = n_gpus / (tp pp); ranks
-    are laid out as Grid does (tp innermost, then dp, then pp), nodes of `gpus_per_node`. `gpu` names
+    `batch` is the global batch in sequences (train.py's --batch-size); dp = n_gpus / (tp cp pp); ranks
+    are laid out as Grid does (tp innermost, then cp, dp, pp), nodes of `gpus_per_node`. `gpu` names
     a row of GPUS. `vp` > 1: the interleaved schedule with vp chunks per stage.
 
     parameters  model.n_params: for GPT-2 12 L d^2 + 13 L d + (V + s) d + 2 d (Narayanan et al. 2021,
@@ -288,16 +290,27 @@ def plan_model(shape: gpt.GPTConfig, seq_len: int, batch: int, n_gpus: int, tp: 
                             divided by tp, plus the activation on k rows per token and the permutation
                             (4 k d elements); the all-to-alls are exposed (the next op waits for them).
                             A stage's MoE layers are its layers' average share of them. (`matmul_eff`
-                            stays that of a dense layer's four matmuls)"""
+                            stays that of a dense layer's four matmuls)
+    context     `cp` ranks split every sequence (context.py, `cp_attn` "ring" or "ulysses"): a GPU holds and
+                computes s / cp tokens of each (activations, matmuls, messages), and its attention core
+                s / cp queries against all s keys (load-balanced halves); the bytes per layer and micro-batch
+                are formulas.context_traffic's (ring: K and V in bf16, dK and dV in fp32; Ulysses: the (cp-1)/cp of
+                its all-to-alls that leave), over NVLink while
+                tp cp fits in a node; ring hops hide behind the attention core's forward and backward
+                (what does not fit is exposed), Ulysses' all-to-alls do not. ZeRO shards and gradients are
+                reduced over dp x cp (and edp spans cp). MoE's gather of the k choices over cp: left out"""
     gpu = GPUS[gpu] if isinstance(gpu, str) else gpu
-    dp = n_gpus // (tp * pp)
+    dp = n_gpus // (tp * pp * cp)
     L, H, d, s, b, V = shape.n_layer, shape.n_head, shape.n_embd, seq_len, micro_batch, shape.padded_vocab
     kv = f", {shape.kv_heads} kv heads" if shape.kv_heads != H else ""
-    if dp * tp * pp != n_gpus or H % tp or shape.kv_heads % tp or L < pp * vp or batch % (dp * micro_batch) \
-            or (vp > 1 and (batch // (dp * micro_batch)) % pp):
-        raise LayoutError(f"{n_gpus} GPUs as tp {tp} x pp {pp} x dp, {H} heads{kv}, {L} layers, "
-                          f"batch {batch} in micro-batches of {micro_batch}"
+    heads = tp * cp if cp_attn == "ulysses" else tp  # Ulysses splits the heads over cp too
+    if dp * tp * pp * cp != n_gpus or H % heads or shape.kv_heads % heads or L < pp * vp \
+            or batch % (dp * micro_batch) or (vp > 1 and (batch // (dp * micro_batch)) % pp) or s % (2 * cp) \
+            or (cp > 1 and attn == "math"):
+        raise LayoutError(f"{n_gpus} GPUs as tp {tp} x cp {cp} x pp {pp} x dp, {H} heads{kv}, {L} layers, "
+                          f"batch {batch} in micro-batches of {micro_batch}, attention {attn}"
                           f"{f', {vp} chunks per stage' if vp > 1 else ''}: not a possible layout")
+    dp_cp, s_cp = dp * cp, s // cp  # the ranks gradients are reduced over; the tokens of a sequence one GPU holds
     E, k = shape.moe_experts, shape.moe_top_k
     if ep > 1 and (not E or dp % ep or E % ep):
         raise LayoutError(f"ep {ep}: " + (f"must divide dp {dp} and the {E} experts" if E else "no experts to split"))
@@ -307,22 +320,22 @@ def plan_model(shape: gpt.GPTConfig, seq_len: int, batch: int, n_gpus: int, tp: 
     flops_per_token = gpt.flops_per_token(shape, s)
     local = (n_params - experts) / (tp * pp)  # the first and last stage also hold V d / tp of embedding: ignored
     expert_local = experts / (pp * ep)  # whole on each tp rank, split over ep
-    weights, grads, optimizer = (a + e for a, e in zip(state_bytes(local, dp, zero, grad_bytes),
-                                                       state_bytes(expert_local, dp // ep, zero, grad_bytes)))
+    weights, grads, optimizer = (a + e for a, e in zip(state_bytes(local, dp_cp, zero, grad_bytes),
+                                                       state_bytes(expert_local, dp_cp // ep, zero, grad_bytes)))
     m, layers = batch // (dp * b), -(-L // pp)  # micro-batches per pipeline and step; layers of the last stage
     moe_here = layers * moe.moe_layers(L, E, shape.moe_every) / L  # of them MoE layers (on average)
     in_flight = min(m, pp + (pp - 1) / vp if vp > 1 else pp)  # stages' worth of micro-batches stage 0 holds
 
     def per_layer(mode):  # bf16 activations, 1-byte masks, an fp32 residual stream (the LayerNorms' inputs, and
         # the block input full recomputation keeps); a Llama's RMSNorms in fp32 through the fused kernel
-        return layer_activation_bytes(shape, s, b, tp, sp, mode, attn, 2, 1, 4, True, residual_bytes=4)
+        return layer_activation_bytes(shape, s_cp, b, tp, sp, mode, attn, 2, 1, 4, True, residual_bytes=4)
 
     activations = per_layer(recompute) * layers * in_flight
     if recompute == "full":
         activations += per_layer("none")
     memory = {"weights": weights, "grads": grads, "optimizer": optimizer, "activations": activations,
               "total": weights + grads + optimizer + activations}
-    act = 2 * s * b * d  # one bf16 activation, bytes
+    act = 2 * s_cp * b * d  # one bf16 activation, bytes
 
     def ring(n):  # the fraction of a buffer each rank sends in a ring reduce-scatter or all-gather
         return (n - 1) / n
@@ -331,28 +344,34 @@ def plan_model(shape: gpt.GPTConfig, seq_len: int, batch: int, n_gpus: int, tp: 
     gathers = 2 * m if zero >= 3 else 1  # stage 3 all-gathers the weights for each forward and backward
     pairs = 6 if recompute == "full" else 4  # tensor-parallel collectives per layer and micro-batch
     tp_layers = layers - moe_here / 2 if E else layers  # an MoE layer's MLP has no tp collectives
-    a2a = pairs * 2 * b * s * k * d  # an MoE layer's all-to-alls per micro-batch: bf16 rows of its b s k choices
+    a2a = pairs * 2 * b * s_cp * k * d  # an MoE layer's all-to-alls per micro-batch: bf16 rows of its b s k choices
+    kv_bytes = 2 * b * s_cp * shape.kv_heads * shape.head_dim / tp  # K (or V) of one layer, bf16
+    cp_layer = 0.0  # context parallelism's bytes per layer and micro-batch (what leaves: all of a ring hop)
+    if cp > 1:
+        cp_layer = sum(context_traffic(SimpleNamespace(cp=cp, cp_attn=cp_attn), act / tp, recompute, kv_bytes,
+                                       2 * kv_bytes).values()) * (ring(cp) if cp_attn == "ulysses" else 1)
 
     def dp_bytes(n, group):  # n parameters' gradients reduced (under ZeRO: and weights gathered) over a group
         return (n * (grad_bytes * reduces + 2 * gathers) if zero else 2 * n * grad_bytes) * ring(group)
 
     comm = {"tp": pairs * tp_layers * m * act * 2 * ring(tp),  # an all-reduce = reduce-scatter + all-gather
             **({"ep": m * moe_here * a2a * ring(ep)} if E else {}),
+            **({"cp": m * layers * cp_layer} if cp > 1 else {}),
             "pp": 2 * vp * m * act / tp if pp > 1 else 0.0,
-            "dp": dp_bytes(local, dp) + dp_bytes(expert_local, dp // ep)}  # experts: over edp
+            "dp": dp_bytes(local, dp_cp) + dp_bytes(expert_local, dp_cp // ep)}  # experts: over edp
     # each group's link: NVLink while the group stays inside a node (tp innermost, then dp (and ep), then pp)
     link = {g: LINK_EFFICIENCY * (gpu.nvlink if span <= gpus_per_node else gpu.net)
-            for g, span in (("tp", tp), ("ep", tp * ep), ("dp", tp * dp), ("pp", n_gpus))}
+            for g, span in (("tp", tp), ("cp", tp * cp), ("ep", tp * cp * ep), ("dp", tp * dp_cp), ("pp", n_gpus))}
     comm_s = {g: comm[g] / link[g] for g in comm}
 
     # one micro-batch through one layer on one GPU: a forward, then the backward (twice the forward)
-    tokens_mb, head_dim = b * s, d / H
+    tokens_mb, head_dim = b * s_cp, d / H
     qkv = (H + 2 * shape.kv_heads) * shape.head_dim  # q, k, v: 3d, or GQA's narrower k and v
     gemms = layer_gemms(tokens_mb, d, tp, qkv, shape.hidden, True) if shape.llama else layer_gemms(tokens_mb, d, tp)
     gemm_s = sum(matmul_seconds(*g, gpu) for g in gemms)
     score_passes = (6.5 if dropout > 0 else 4) if attn == "math" else 0  # s x s elements written or read
-    attn_s = b * H / tp * (4 * s * s * head_dim * (1 if attn == "math" else 0.5) / (gpu.matmul_eff * gpu.peak)
-                           + 2 * (4 * s * head_dim + score_passes * s * s) / gpu.hbm_bw)
+    attn_s = b * H / tp * (4 * s_cp * s * head_dim * (1 if attn == "math" else 0.5) / (gpu.matmul_eff * gpu.peak)
+                           + 2 * (4 * s_cp * head_dim + score_passes * s_cp * s) / gpu.hbm_bw)
     mlp_pointwise = 5 * shape.hidden if shape.llama else 8 * d  # SwiGLU, or GELU
     pointwise = mlp_pointwise + 2 * qkv if shape.llama else mlp_pointwise  # and RoPE (docstring)
     elementwise_s = 2 * tokens_mb * ((11 if dropout > 0 else 10) * d / (tp if sp else 1) + pointwise / tp) / gpu.hbm_bw
@@ -364,35 +383,38 @@ def plan_model(shape: gpt.GPTConfig, seq_len: int, batch: int, n_gpus: int, tp: 
     compute = with_backward(forward)
     tp_s = pairs * act * 2 * ring(tp) / link["tp"]
     pp_s = comm_s["pp"] / m
+    cp_s = cp_layer / link["cp"]  # a layer's ring hops run beside its attention core; Ulysses waits for its
+    cp_s = max(cp_s - with_backward(attn_s), 0.0) if cp_attn == "ring" else cp_s
     moe_extra = ep_s = 0.0  # what an MoE layer adds to a dense one's compute; its all-to-alls
     if E:  # the MLP's matmuls and elementwise work replaced by the experts'
         dense_mlp_s = sum(matmul_seconds(*g, gpu) for g in gemms[2:]) + 2 * tokens_mb * mlp_pointwise / tp / gpu.hbm_bw
         moe_extra = with_backward(forward - dense_mlp_s + expert_forward_s(shape, tokens_mb, ep, gpu)) - compute
         ep_s = a2a * ring(ep) / link["ep"]
-    t_mb = layers * (compute + tp_s) + pp_s + moe_here * (moe_extra - tp_s / 2 + ep_s)  # MoE: half the tp waits
+    t_mb = layers * (compute + tp_s + cp_s) + pp_s + moe_here * (moe_extra - tp_s / 2 + ep_s)  # MoE: half the tp waits
     logits_s = 3 * matmul_seconds(tokens_mb, d, V / tp, gpu)
     bubble_s = (pp - 1) / vp * t_mb
     per_micro = t_mb + logits_s  # the last stage: its layers and the output layer
 
     def exposed(seconds, window):
-        return exposed_s(seconds, window, BUCKET_BYTES * ring(dp) / link["dp"])
+        return exposed_s(seconds, window, BUCKET_BYTES * ring(dp_cp) / link["dp"])
 
-    if dp == 1:
+    if dp_cp == 1:
         dp_s = 0.0
     elif zero == 0:
         dp_s = exposed(comm_s["dp"], 2 / 3 * per_micro)
     else:
-        reduce_s = (local * grad_bytes * reduces * ring(dp)
-                    + expert_local * grad_bytes * reduces * ring(dp // ep)) / link["dp"]
+        reduce_s = (local * grad_bytes * reduces * ring(dp_cp)
+                    + expert_local * grad_bytes * reduces * ring(dp_cp // ep)) / link["dp"]
         gather_window = m * per_micro if zero >= 3 else per_micro / 3
         dp_s = exposed(reduce_s, 2 / 3 * per_micro * reduces) + exposed(comm_s["dp"] - reduce_s, gather_window)
     time = {"compute": m * (layers * compute + logits_s + moe_here * moe_extra), "tp": m * tp_layers * tp_s,
-            **({"ep": m * moe_here * ep_s} if E else {}), "pp": m * pp_s, "bubble": bubble_s, "dp": dp_s}
+            **({"ep": m * moe_here * ep_s} if E else {}), **({"cp": m * layers * cp_s} if cp > 1 else {}),
+            "pp": m * pp_s, "bubble": bubble_s, "dp": dp_s}
     modeled = sum(time.values())
     step_s = modeled if mfu is None else flops_per_token * batch * s / (n_gpus * gpu.peak * mfu)
     seconds = tokens / (batch * s) * step_s
     return {"params": n_params, "active_params": n_params - experts + used, "experts": E, "top_k": k, "ep": ep,
-            "flops_per_token": flops_per_token, "dp": dp, "tp": tp, "pp": pp, "vp": vp,
+            "flops_per_token": flops_per_token, "dp": dp, "tp": tp, "pp": pp, "vp": vp, "cp": cp, "cp_attn": cp_attn,
             "micro_batch": b, "micro_batches": m, "bubble": (pp - 1) / (vp * m + pp - 1), "gpu": gpu,
             "memory": memory, "fits": memory["total"] <= HEADROOM * gpu.hbm,
             "comm": comm, "comm_s": comm_s, "time": time, "modeled_step_s": modeled,
@@ -406,13 +428,14 @@ def format_plan(p: dict) -> str:
     """plan()'s numbers as a few lines of text (GB = 1e9 bytes)."""
     mem, comm, c, t = p["memory"], p["comm"], p["comm_s"], p["time"]
     chunks = f", {p['vp']} chunks per stage" if p["vp"] > 1 else ""
+    cp = f"cp {p['cp']} ({p['cp_attn']}) x " if p["cp"] > 1 else ""
     fits = "fits" if p["fits"] else "does not fit"
     params = f"{p['params'] / 1e9:.2f}B parameters"
     if p["experts"]:  # total and active side by side; the FLOPs (and so MFU) are the active ones
         params += f" ({p['experts']} experts, top {p['top_k']}), {p['active_params'] / 1e9:.2f}B active per token"
         chunks += f"; experts split over ep {p['ep']}"
     lines = [f"model   {params}, {p['flops_per_token']:.3g} FLOPs per token",
-             f"layout  {p['n_gpus']} {p['gpu'].name} = dp {p['dp']} x tp {p['tp']} x pp {p['pp']}{chunks}; "
+             f"layout  {p['n_gpus']} {p['gpu'].name} = dp {p['dp']} x {cp}tp {p['tp']} x pp {p['pp']}{chunks}; "
              f"{p['micro_batches']} micro-batches of {p['micro_batch']} per step, bubble {p['bubble']:.1%}",
              "memory  " + "  ".join(f"{k} {v / 1e9:.1f}" for k, v in mem.items())
              + f" GB per GPU: {fits} in {HEADROOM:.0%} of {p['gpu'].hbm / 1e9:.0f} GB",

@@ -401,6 +401,43 @@ def test_identities_are_one_to_one_over_a_lesson():
         == {0: ['{"run": "aaaaaaaaaaaa", "started": "…"}'], 1: ["moved to previous/aaaaaaaaaaaa"]}  # "…" stays
 
 
+# ----------------------------------------------------------------------------- numbers in the prose
+
+
+SOURCED = "†"  # written right after a number no command of the page prints: its sentence cites where it is from
+DECIMAL = re.compile(r"(?<![\w.†])(\d[\d,]*\.\d+)(%?)(?![\w.]*\d)(†?)")
+NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?")
+
+
+def unprinted(text: str) -> list[str]:
+    """The numbers with a decimal point in a page's prose (outside its fenced blocks and inline code) that
+    none of its blocks shows, to the prose's rounding (a percentage also as a fraction: 50.4% for 0.504),
+    and that carry no SOURCED mark. A number that quotes a run must be the run's; one from a paper or a
+    GPU is marked. Integers are left alone: years, counts and names are integers too."""
+    blocks = " ".join(m.group(2) for m in FENCE.finditer(text))
+    shown = {float(n.replace(",", "")) for n in NUMBER.findall(blocks)}
+    prose = re.sub(r"`[^`\n]*`", " ", FENCE.sub("\n", text))
+    bad = []
+    for number, percent, mark in DECIMAL.findall(prose):
+        x, half = float(number.replace(",", "")), 0.50001 * 10.0 ** -len(number.split(".")[1])
+        if not mark and not any(abs(y * k - x) <= half for y in shown for k in ((1, 100) if percent else (1,))):
+            bad.append(number + percent)
+    return bad
+
+
+@pytest.mark.parametrize("doc", DOCS[:-1], ids=[p.stem for p in DOCS[:-1]])
+def test_numbers_in_a_lessons_prose_are_printed_by_its_commands(doc):
+    assert unprinted(doc.read_text()) == [], f"{doc.name}: not printed by a block, nor marked {SOURCED}"
+
+
+def test_the_prose_checker_rounds_as_the_prose_does():
+    page = "```bash\nrun\n```\n\n```text\nval loss 3.6526, MFU 0.504, 2,744,840 bytes\n```\n"
+    ok = "The loss fell to 3.65 (or 3.653), at 50.4% MFU, 2,744,840.0 bytes; `3.99` is code; 989.4† TFLOP/s."
+    assert unprinted(page + ok) == []
+    assert unprinted(page + "It fell to 3.66, at 50.5% MFU, 2.0% of it, and 989.4 TFLOP/s.") == \
+        ["3.66", "50.5%", "2.0%", "989.4"]
+
+
 # ----------------------------------------------------------------------------- writing a lesson
 
 

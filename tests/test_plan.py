@@ -516,3 +516,27 @@ def test_zero_variants_gpt3_at_1024_gpus():
     for gpus, shard in [(8, 0), (12, 0), (16, 3)]:  # one node, part of a node, a shard group that does not divide
         with pytest.raises(parallel.LayoutError):
             planner.zero_variants(gpt3, 2048, 2 * gpus, gpus, 1e9, shard=shard)
+
+
+@pytest.mark.parametrize("cp_attn", ["ring", "ulysses"])
+def test_context_parallel_plans_split_the_sequence_and_send_context_traffic(cp_attn):
+    """cp ranks hold s / cp tokens each: activations / cp; ZeRO shards over dp x cp, so dp 4 x cp 2 holds
+    what dp 8 does; the bytes are context_traffic's: ring, per layer and micro-batch, K and V (bf16) once
+    forward and once backward, dK and dV (fp32) cp times; Ulysses, 2 all-to-alls of q, k, v and the output
+    each way. A Llama-3-8B shape (GQA: 8 of 32 heads) at 32k tokens, on two nodes."""
+    shape = gpt.config_from_preset("llama-3-8b", 128256)
+    kw = dict(seq_len=32768, batch=16, n_gpus=16, tp=4, zero=3, cp_attn=cp_attn)
+    one, two = (planner.plan_model(shape, cp=cp, **kw) for cp in (1, 2))
+    assert (one["dp"], two["dp"], two["micro_batches"]) == (4, 2, 8)  # m per step doubles: dp halves
+    assert two["memory"]["activations"] == pytest.approx(one["memory"]["activations"] / 2)
+    assert two["memory"]["weights"] == one["memory"]["weights"]  # sharded over dp x cp = 4 either way
+    kv = 2 * 16384 * 8 * 128 / 4  # bf16 K of one layer on one rank: s/cp tokens of 8 kv heads of 128, / tp
+    act = 2 * 16384 * 4096 / 4
+    if cp_attn == "ring":  # 8 micro-batches of 32 layers
+        assert two["comm"]["cp"] == pytest.approx(8 * 32 * (2 * kv + 2 * kv + 2 * 2 * (2 * kv)))
+    else:  # q, k, v and the output, forward and backward, of which (cp - 1) / cp = 1/2 leaves the GPU
+        assert two["comm"]["cp"] == pytest.approx(8 * 32 * 2 * (2 * act + 2 * kv) / 2)
+    assert "cp" not in one["comm"] and two["time"]["cp"] >= 0
+    assert f"x cp 2 ({cp_attn}) x tp 4" in planner.format_plan(two)
+    with pytest.raises(parallel.LayoutError):  # a cp that does not divide the GPUs, or a 2 cp block per rank
+        planner.plan_model(shape, cp=3, **kw)
