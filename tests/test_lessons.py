@@ -406,7 +406,6 @@ def test_identities_are_one_to_one_over_a_lesson():
 
 SOURCED = "†"  # written right after a number no command of the page prints: its sentence cites where it is from
 DECIMAL = re.compile(r"(?<![\w.†])(\d[\d,]*\.\d+)(%?)(?![\w.]*\d)(†?)")
-NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?")
 
 
 def unprinted(text: str) -> list[str]:
@@ -415,7 +414,7 @@ def unprinted(text: str) -> list[str]:
     and that carry no SOURCED mark. A number that quotes a run must be the run's; one from a paper or a
     GPU is marked. Integers are left alone: years, counts and names are integers too."""
     blocks = " ".join(m.group(2) for m in FENCE.finditer(text))
-    shown = {float(n.replace(",", "")) for n in NUMBER.findall(blocks)}
+    shown = {abs(float(n.replace(",", ""))) for n in NUMBER.findall(blocks)}
     prose = re.sub(r"`[^`\n]*`", " ", FENCE.sub("\n", text))
     bad = []
     for number, percent, mark in DECIMAL.findall(prose):
@@ -451,8 +450,8 @@ def stale(fences: list, outputs: list[list[str]]) -> dict[int, list[str]]:
         page = m.group(2).rstrip("\n").split("\n")
         want, have = kept(page), kept(outputs[n - 1])
         lines = align(shown(want), shown(have), "exact")
-        if lines is None:
-            new[k], want, lines = outputs[n - 1], have, [(i, i) for i in range(len(have))]
+        if lines is None:  # rewritten: the run's lines stand for the page's (a new block's may be shorter)
+            new[k], want, lines, page = outputs[n - 1], have, [(i, i) for i in range(len(have))], outputs[n - 1]
         at = [x for x, line in enumerate(page) if not LAUNCHER.match(line)]  # a kept line's place in the page
         pages[k] = page
         pairs += [(k, at[i], a, b) for i, ids, run in id_pairs(want, have, lines) for a, b in zip(ids, run)]
