@@ -38,11 +38,12 @@ import model as gpt  # noqa: E402
 import pipeline  # noqa: E402
 import shard  # noqa: E402
 import zero  # noqa: E402
-from parallel import Grid  # noqa: E402
+from parallel import Grid, all_gather_single  # noqa: E402
 
 CFG = gpt.GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=256)
 SEED, B, T, C = 1234, 2, 16, 32
 LR, WD = 1e-2, 0.1
+PLACEMENTS = {}  # sequence parallel: the placement of DTensor's gradients of replicated parameters
 
 
 def batches(rank: int, n: int) -> list[torch.Tensor]:
@@ -184,6 +185,8 @@ def tp_mlp(rank: int, world: int, sp: bool, bug: str = "") -> tuple[float, float
 
     grads_ours, grads_theirs = {"input": x_ours.grad}, {"input": x_theirs.grad}
     full = dict(theirs.named_parameters())
+    if sp and not bug:  # where DTensor leaves what finish_grads sums for us
+        PLACEMENTS.update({name: repr(full[name].grad.placements[0]) for name in ("ln.weight", "proj.bias")})
     for name, p in mine.named_parameters():
         grads_ours[name] = p.grad
         grad = full[name].grad  # a DTensor, but for the LayerNorm without sequence parallelism (not parallelized)
@@ -226,15 +229,16 @@ def vocab_parallel_loss(rank: int, world: int, broken: bool, V: int = 256) -> fl
 # ----------------------------------------------------------------------------- ZeRO-3: FSDP2
 
 
-def zero3_weights(rank: int, world: int, broken: bool, steps: int = 2, fused: bool = True) -> float:
+def zero3_weights(rank: int, world: int, broken: bool, steps: int = 2, fused: bool = True, bug=NoReduce) -> float:
     """Two AdamW steps of ZeRO-3 (units: the embeddings, then each block) against fully_shard on each block
     and the root with torch's AdamW: the gathered weights. `fused`: torch's fused AdamW kernel, the one
-    ZeroAdamW runs (else torch's default, foreach: the same formula, rounded otherwise)."""
+    ZeroAdamW runs (else torch's default, foreach: the same formula, rounded otherwise). `broken`: ours on
+    the grid `bug`."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     micro = batches(rank, steps)
-    grid = (NoReduce if broken else Grid)(dp=world, rank=rank)
+    grid = (bug if broken else Grid)(dp=world, rank=rank)
     ours = shard.build_model(CFG, grid, SEED, torch.device("cpu"), T, values=False)
     sync = gradients.GradSync(ours, grid, zero=3, units=zero.units(ours))
     opt = zero.ZeroAdamW(sync, LR, (0.9, 0.95), 1e-8, WD, initial=shard.initial_values(ours, SEED))
@@ -247,7 +251,7 @@ def zero3_weights(rank: int, world: int, broken: bool, steps: int = 2, fused: bo
     names, got = {id(p): n for n, p in ours.named_parameters()}, {}
     for b, st in zip(sync.buckets, opt.shards):
         full = torch.empty(b.padded)
-        dist.all_gather_into_tensor(full, st["master"])
+        all_gather_single(full, st["master"])
         got.update({names[id(p)]: view for p, view in b.views(full)})
 
     theirs = gpt.build(CFG, SEED)
@@ -357,6 +361,8 @@ def main() -> None:
         check(f"{what} MLP output", "dtensor", "the column layer holds the other rank's rows",
               lambda b, sp=sp: tp_mlp(rank, world, sp, "slice" if b else "")[0])
         check(f"{what} MLP gradients", "dtensor", words, lambda b, sp=sp, bug=bug: tp_mlp(rank, world, sp, bug * b)[1])
+    lines.append("  (DTensor's gradients of replicated weights under sequence parallelism: "
+                 + ", ".join(f"{name} {placement}" for name, placement in PLACEMENTS.items()) + ")")
     check("vocab-parallel loss and gradients", "loss_parallel", "each rank's own max",
           lambda b: vocab_parallel_loss(rank, world, b))
     check("ZeRO-3 weights after 2 AdamW steps", "fsdp2", "reduce-scatter without the sum",
