@@ -51,9 +51,13 @@ def state_bytes(n_params: float, dp: int, zero: int = 1, grad_bytes: int = 4) ->
     rank. Weights are bf16 (2 bytes); the optimizer keeps K = 12 bytes per parameter (fp32 master
     copy, Adam's two moments). ZeRO stage 1 shards the optimizer over dp, stage 2 the gradients too,
     stage 3 the weights too (Rajbhandari et al. 2020, "ZeRO", section 5 and figure 1).
-    grad_bytes=4 (fp32 gradients, zero=1) is Megatron-LM's distributed optimizer and what
-    `ZeroAdamW` does under --precision bf16: 6 + 12/dp bytes per parameter. grad_bytes=2 is the
-    ZeRO paper's 2Ψ + 2Ψ + KΨ/Nd."""
+    grad_bytes=4 (fp32 gradients) is Megatron-LM's distributed optimizer and what `ZeroAdamW` does
+    under --precision bf16: 6 + 12/dp bytes per parameter. Without ZeRO train.py keeps fp32 weights,
+    fp32 gradients and torch's AdamW, whose moments are all its state: 4 + 4 + 8 = 16 (formulas.
+    state_formula, what --memory-report prints). grad_bytes=2 is the ZeRO paper's 2Ψ + 2Ψ + KΨ/Nd,
+    its stage 0 included."""
+    if zero == 0 and grad_bytes == 4:
+        return 4 * n_params, 4 * n_params, 8 * n_params
     return (2 * n_params / (dp if zero >= 3 else 1), grad_bytes * n_params / (dp if zero >= 2 else 1),
             12 * n_params / (dp if zero >= 1 else 1))
 
@@ -228,7 +232,9 @@ def plan_model(shape: gpt.GPTConfig, seq_len: int, batch: int, n_gpus: int, tp: 
                 product reads 2 f and writes f) and RoPE's 2 (H + 2 H_kv) D / tp in place of GELU's 8 d / tp
     memory      state_bytes() on the N / (tp pp) parameters this GPU holds, plus activation_bytes()
                 per layer and micro-batch in bf16 (the one activation model; `attn="math"` keeps the
-                s x s probabilities, flash kernels do not); under 1F1B the first stage keeps
+                s x s probabilities, flash kernels do not; the LayerNorms keep fp32 inputs, as autocast
+                runs them on a GPU; full recomputation keeps each block's input at the residual stream's
+                width, the weights': 2 bytes under ZeRO, 4 without); under 1F1B the first stage keeps
                 min(pp, m) micro-batches of L/pp layers (interleaved: pp + (pp-1)/vp stages' worth,
                 Korthikanti et al. 2022, 4.2.3); under full recomputation one layer is rebuilt whole
                 in the backward. `fits`: the total under HEADROOM of the GPU's memory.
@@ -326,9 +332,11 @@ def plan_model(shape: gpt.GPTConfig, seq_len: int, batch: int, n_gpus: int, tp: 
     moe_here = layers * moe.moe_layers(L, E, shape.moe_every) / L  # of them MoE layers (on average)
     in_flight = min(m, pp + (pp - 1) / vp if vp > 1 else pp)  # stages' worth of micro-batches stage 0 holds
 
-    def per_layer(mode):  # bf16 activations, 1-byte masks, an fp32 residual stream (the LayerNorms' inputs, and
-        # the block input full recomputation keeps); a Llama's RMSNorms in fp32 through the fused kernel
-        return layer_activation_bytes(shape, s_cp, b, tp, sp, mode, attn, 2, 1, 4, True, residual_bytes=4)
+    stream = 2 if zero else 4  # the residual stream has the weights' dtype: 16 bits under ZeRO, fp32 without
+
+    def per_layer(mode):  # bf16 activations, 1-byte masks, the LayerNorms' inputs in fp32 (autocast), the block
+        # input that full recomputation keeps the stream's; a Llama's RMSNorms in fp32 through the fused kernel
+        return layer_activation_bytes(shape, s_cp, b, tp, sp, mode, attn, 2, 1, 4, True, residual_bytes=stream)
 
     activations = per_layer(recompute) * layers * in_flight
     if recompute == "full":

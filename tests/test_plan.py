@@ -83,7 +83,7 @@ def test_zero1_shards_only_the_optimizer_over_dp():
     assert (eight["weights"], eight["grads"], eight["activations"]) == (one["weights"], one["grads"],
                                                                         one["activations"])
     no_zero = planner.plan(n_gpus=16, zero=0, **shape)["memory"]
-    assert no_zero["optimizer"] == one["optimizer"]
+    assert no_zero["optimizer"] == 8 / 12 * one["optimizer"]  # unsharded, and torch's AdamW keeps no master copy
     # Megatron's distributed optimizer: 2 + 4 + 12/dp bytes per parameter of this GPU's share
     n_local = planner.plan(n_gpus=16, **shape)["params"] / 2
     assert eight["weights"] + eight["grads"] + eight["optimizer"] == pytest.approx((6 + 12 / 8) * n_local)
@@ -93,6 +93,16 @@ def test_zero_paper_figure_1():
     """7.5B parameters on 64 GPUs, fp16 gradients: 120 GB, then 31.4, 16.6 and 1.9 GB per GPU."""
     per_gpu = [sum(planner.state_bytes(7.5e9, 64, zero, grad_bytes=2)) / GB for zero in range(4)]
     assert [round(x, 1) for x in per_gpu] == [120.0, 31.4, 16.6, 1.9]
+
+
+def test_state_without_zero_is_what_train_py_keeps():
+    """Without ZeRO train.py keeps fp32 weights and gradients and torch's AdamW (two fp32 moments): 16
+    bytes a parameter, formulas.state_formula's 4Ψ + 4Ψ + 2·4Ψ, what --memory-report measures. The
+    planner once charged Megatron's 2 + 4 + 12 there, 2Ψ more than the run holds."""
+    assert planner.state_bytes(1e9, 8, zero=0) == (4e9, 4e9, 8e9)
+    assert planner.state_bytes(1e9, 8, zero=1) == (2e9, 4e9, 1.5e9)  # ZeroAdamW: 16-bit weights, fp32 master
+    p = planner.plan(32, 32, 4096, 32000, 4096, batch=64, n_gpus=8, zero=0)["memory"]
+    assert p["weights"] + p["grads"] + p["optimizer"] == 16 * p["weights"] / 4
 
 
 def test_activations_under_1f1b_are_all_layers_whatever_pp():
@@ -210,10 +220,10 @@ def test_expert_parallelism_divides_the_expert_memory(tp, zero):
     for ep in (1, 4, 8):
         p = planner.plan_model(gpt.GPTConfig(**MOE_SHAPE), 32, batch=64, n_gpus=8 * tp, tp=tp, zero=zero, ep=ep)
         here = (p["params"] - experts) / tp + experts / ep  # parameters on one GPU
-        mem = p["memory"]
-        assert (mem["weights"], mem["grads"]) == (pytest.approx(2 * here), pytest.approx(4 * here)), ep
+        mem, w, k = p["memory"], (2 if zero else 4), (12 if zero else 8)  # without ZeRO: fp32 weights, AdamW's moments
+        assert (mem["weights"], mem["grads"]) == (pytest.approx(w * here), pytest.approx(4 * here)), ep
         state = (p["params"] - experts) / tp / 8 + experts / 8 if zero else here
-        assert mem["optimizer"] == pytest.approx(12 * state), ep
+        assert mem["optimizer"] == pytest.approx(k * state), ep
 
 
 def test_expert_all_to_alls_per_step():
@@ -319,8 +329,11 @@ def test_zero3_moves_one_and_a_half_times_the_bytes_and_recomputation_keeps_one_
     full, none = (planner.plan(tp=8, n_gpus=64, recompute=r, **kw) for r in ("full", "none"))
     per_layer = formulas.activation_bytes(4096, 1, 4096, 32, 8, True, norm_bytes=4)  # what "none" keeps per layer
     assert none["memory"]["activations"] == pytest.approx(32 * per_layer)
-    # full: each layer's input (4 s b h / t under SP: the fp32 stream), and one layer rebuilt whole in the backward
-    assert full["memory"]["activations"] == pytest.approx(32 * 4 * 4096 * 4096 / 8 + per_layer)
+    # full: each layer's input (2 s b h / t under SP: ZeRO's 16-bit weights make a 16-bit stream), and one layer
+    # rebuilt whole in the backward; without ZeRO the stream is fp32, and the input 4 s b h / t
+    assert full["memory"]["activations"] == pytest.approx(32 * 2 * 4096 * 4096 / 8 + per_layer)
+    full0 = planner.plan(tp=8, n_gpus=64, recompute="full", zero=0, **kw)["memory"]["activations"]
+    assert full0 == pytest.approx(32 * 4 * 4096 * 4096 / 8 + per_layer)
     assert full["comm"]["tp"] == pytest.approx(1.5 * none["comm"]["tp"])
     assert full["time"]["compute"] > 1.3 * none["time"]["compute"]  # a second forward: 4 passes for 3
 
