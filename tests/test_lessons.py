@@ -405,7 +405,7 @@ def test_identities_are_one_to_one_over_a_lesson():
 
 
 SOURCED = "†"  # written right after a number no command of the page prints: its sentence cites where it is from
-DECIMAL = re.compile(r"(?<![\w.†])(?<!ection )(\d[\d,]*\.(\d+)(?:e([-+]?\d+))?)(%|×|x\b)?(?![\w.]*\d)[A-Za-z]*(†?)")
+DECIMAL = re.compile(r"(?<![\w.†])(?<!ection )(?<!Python )(?<!torch )(\d[\d,]*\.(\d+)(?:e([-+]?\d+))?)(%|×|x\b)?(?![\w.]*\d)[A-Za-z]*(†?)")
 
 
 def unprinted(text: str) -> list[str]:
@@ -417,7 +417,7 @@ def unprinted(text: str) -> list[str]:
     shown = {abs(float(n.replace(",", ""))) for n in NUMBER.findall(blocks)}
     prose = re.sub(r"`[^`\n]*`", " ", FENCE.sub("\n", text))
     bad = []
-    for number, decimals, exponent, unit, mark in DECIMAL.findall(prose):  # (a section number is not a value)
+    for number, decimals, exponent, unit, mark in DECIMAL.findall(prose):  # (section numbers, versions: not values)
         x, half = float(number.replace(",", "")), 0.50001 * 10.0 ** (int(exponent or 0) - len(decimals))
         if not mark and not any(abs(y * k - x) <= half for y in shown for k in ((1, 100) if unit == "%" else (1,))):
             bad.append(number + unit)
@@ -432,7 +432,7 @@ def test_numbers_in_a_lessons_prose_are_printed_by_its_commands(doc):
 def test_the_prose_checker_rounds_as_the_prose_does():
     page = "```bash\nrun\n```\n\n```text\nval loss 3.6526, MFU 0.504, 2,744,840 bytes, max 3.7e-07\n```\n"
     ok = ("The loss fell to 3.65 (or 3.653), at 50.4% MFU, 2,744,840.0 bytes, 3.7e-07 apart; `3.99` is code; "
-          "989.4† TFLOP/s, 1.5×† (section 3.1), 0.75M†.")
+          "989.4† TFLOP/s, 1.5×† (section 3.1), 0.75M†, on Python 3.11.")
     assert unprinted(page + ok) == []
     assert unprinted(page + "It fell to 3.66, at 50.5% MFU, 2.0% of it, 3.8e-07 apart, and 989.4 TFLOP/s.") == \
         ["3.66", "50.5%", "2.0%", "3.8e-07", "989.4"]
