@@ -81,8 +81,10 @@ def n_chunks(stage_ops: list[list[Op]]) -> int:
 def simulate(stage_ops: list[list[Op]]) -> list[list[tuple[int, str, int, int]]]:
     """Place each stage's ops on a clock where F and B take one slot, F(i) waits for F(i) on the
     stage before and B(i) for B(i) on the one after (interleaved: on the virtual stage before and
-    after; an op is one chunk's work, so a slot is 1/v of a stage's time). Returns (start, kind,
-    micro, chunk) per stage."""
+    after; an op is one chunk's work, so a slot is 1/v of a stage's time). A backward may also be
+    drawn split as zero-bubble schedules split it: B then computes only the input's gradient, and
+    ("W", i), the weights' gradient, waits for B(i) on its own stage. Returns (start, kind, micro,
+    chunk) per stage."""
     p = len(stage_ops)
     n_stages = p * n_chunks(stage_ops)
     done, free, pos, timeline = {}, [0] * p, [0] * p, [[] for _ in range(p)]
@@ -94,6 +96,7 @@ def simulate(stage_ops: list[list[Op]]) -> list[list[tuple[int, str, int, int]]]
                 op = stage_ops[r][pos[r]]
                 (kind, i, c), s = op_parts(op), virtual_stage(op, r, p)
                 dep = (s - 1 if kind == "F" else s + 1, kind, i)  # the stage this op waits for
+                dep = (s, "B", i) if kind == "W" else dep  # split backward: W after its own B
                 dep = dep if 0 <= dep[0] < n_stages else None
                 if dep is not None and dep not in done:
                     break

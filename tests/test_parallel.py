@@ -208,6 +208,18 @@ def test_schedules_are_what_the_papers_say():
         pipeline.simulate(broken)
 
 
+def test_a_split_backward_sends_its_gradient_before_the_weights_gradient():
+    """Zero-bubble's split (lesson 11, section 7): B(i) waits only for B(i) on the next stage, W(i) for B(i)
+    on its own. 1F1B with each W right after its B then idles (p - 1)(F + B) = 2 (p - 1) slots, not 1F1B's
+    3 (p - 1); a W before its own B can never run."""
+    for p, m in ((2, 4), (4, 8), (3, 5)):
+        ops = [[x for op in pipeline.one_f_one_b(p, r, m) for x in ([op] if op[0] == "F" else [op, ("W", op[1])])]
+               for r in range(p)]
+        assert pipeline.bubble_fraction(ops) == pytest.approx(2 * (p - 1) / (3 * m + 2 * (p - 1)))
+    with pytest.raises(parallel.LayoutError):
+        pipeline.simulate([[("F", 0), ("W", 0), ("B", 0)]])
+
+
 def test_grid_rank_order():
     g = parallel.Grid(tp=2, pp=2, dp=2, rank=5)
     assert (g.pp_rank, g.dp_rank, g.tp_rank) == (1, 0, 1)
