@@ -405,7 +405,8 @@ def test_identities_are_one_to_one_over_a_lesson():
 
 
 SOURCED = "†"  # written right after a number no command of the page prints: its sentence cites where it is from
-DECIMAL = re.compile(r"(?<![\w.†])(?<!ection )(?<!Python )(?<!torch )(\d[\d,]*\.(\d+)(?:e([-+]?\d+))?)(%|×|x\b)?(?![\w.]*\d)[A-Za-z]*(†?)")
+DECIMAL = re.compile(r"(?<![\w.†])(?<!ection )(?<!Python )(?<!torch )"  # a section, a version: not values
+                     r"(\d[\d,]*\.(\d+)(?:e([-+]?\d+))?)(%|×|x\b)?(?![\w.]*\d)[A-Za-z]*(†?)")
 
 
 def unprinted(text: str) -> list[str]:
@@ -417,7 +418,7 @@ def unprinted(text: str) -> list[str]:
     shown = {abs(float(n.replace(",", ""))) for n in NUMBER.findall(blocks)}
     prose = re.sub(r"`[^`\n]*`", " ", FENCE.sub("\n", text))
     bad = []
-    for number, decimals, exponent, unit, mark in DECIMAL.findall(prose):  # (section numbers, versions: not values)
+    for number, decimals, exponent, unit, mark in DECIMAL.findall(prose):
         x, half = float(number.replace(",", "")), 0.50001 * 10.0 ** (int(exponent or 0) - len(decimals))
         if not mark and not any(abs(y * k - x) <= half for y in shown for k in ((1, 100) if unit == "%" else (1,))):
             bad.append(number + unit)
