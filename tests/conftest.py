@@ -10,6 +10,7 @@ several, on a small corpus with the byte tokenizer and the `tiny` model.
 
 import json
 import os
+import re
 import subprocess
 import sys
 import sysconfig
@@ -126,3 +127,23 @@ def assert_same_weights(got: dict, ref: dict) -> None:
         diff = (got[name].float() - w.float()).abs()
         assert diff.max() <= 1e-4, f"{name}: max difference {diff.max():.2e}"
         assert (diff > 1e-5).sum() <= max(1, diff.numel() // 10_000), f"{name}: {(diff > 1e-5).sum()} elements off"
+
+
+
+def processes_started(lesson: Path) -> int:
+    """How many Python processes a lesson's ```bash blocks start: each torchrun its --nproc-per-node, each
+    other `python`, one. A lesson's runtime is mostly their start-up and their steps."""
+    blocks = re.findall(r"^```bash\n(.*?)^```", lesson.read_text(), re.S | re.M)
+    runs = re.findall(r"torchrun[^\n]*?--nproc-per-node (\d+)|\bpython3? ", "\n".join(blocks))
+    return sum(int(n) if n else 1 for n in runs)
+
+
+def pytest_collection_modifyitems(items):
+    """The lessons first, the heaviest first, then everything else in its own order. Under `-n 2` each
+    worker takes the next test as it finishes one: a two-minute lesson started last would leave the other
+    worker idle for its length; short tests behind the long ones fill the gaps."""
+    def weight(item) -> int:
+        if "test_lesson_prints_what_it_shows" not in item.nodeid:
+            return 0
+        return 1 + processes_started(Path(item.callspec.params["doc"]))
+    items.sort(key=weight, reverse=True)  # stable: the rest keep their order
