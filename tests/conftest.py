@@ -117,6 +117,13 @@ def final_weights(out: Path) -> dict:
     return checkpoint.consolidate(checkpoint.latest(Path(out) / "ckpt"))
 
 
+def saved_share(report: str) -> float:
+    """--memory-report's activations line: measured / our formula, the "(100.8%)" after it (a GPT-2's line
+    goes on with Korthikanti et al.'s formula, a Llama's ends there)."""
+    acts = next(ln for ln in report.splitlines() if "activations saved per layer" in ln)
+    return float(re.search(r"formula [\d,]+ \(([\d.]+)%\)", acts).group(1)) / 100
+
+
 def assert_same_weights(got: dict, ref: dict) -> None:
     """The same final weights, up to fp32 rounding. Adam divides each update by sqrt(v): where a gradient is
     nearly zero, the rounding of another reduction order (another layout) is amplified, and a few elements
