@@ -418,6 +418,17 @@ def test_under_bf16_the_rows_cross_in_two_bytes_as_the_formula_says(corpus, tmp_
     assert "formula matches measurement on every rank: yes" in result.stdout, result.stdout[-3000:]
 
 
+def test_a_rank_whose_experts_get_no_rows_still_counts_its_own():
+    """A rank whose experts nobody routes to runs them on no rows, and its combine sends back 0 rows of which
+    5 arrive: its own tokens' rows, which the formula counts (C x 4 bytes each), as the dispatch's backward."""
+    counted = []
+    grid = parallel.Grid(dp=2, ep=2)
+    grid.all_to_all = lambda out, inp, group, nbytes, **kw: counted.append(nbytes)
+    y = torch.zeros(0, 16, requires_grad=True)  # what this rank's experts made: nothing
+    moe.AllToAll.apply(y, grid, [0, 0], [3, 2], 5).sum().backward()
+    assert counted == [5 * 16 * 4] * 2, counted
+
+
 class FailedGroup:
     """A process group as NCCL leaves it when its watchdog aborted a collective: it reports the error."""
 
