@@ -37,6 +37,7 @@ groups of N (the `ep` group); each rank of a group holds E / N of the experts, a
 holds all of them. Tokens go to their expert and come back with two all-to-alls:
 
     rank's kept pairs, sorted by expert ─▶ all-to-all of the counts (how many rows go where)
+        ─▶ the host reads its counts and what arrives, at once: the splits of both all-to-alls
         ─▶ dispatch: all-to-all with uneven splits (rank r gets the rows for its experts)
         ─▶ rows regrouped by local expert ─▶ experts ─▶ back to arrival order
         ─▶ combine: the inverse all-to-all ─▶ un-permute, weight, sum
@@ -54,10 +55,17 @@ input, the LayerNorm's output, is replicated there too, so each rank routes the 
 and computes the same gradients; no collective, tp times the expert FLOPs. Splitting each expert over tp
 (Megatron's way) would cut those FLOPs and add its two all-reduces per layer: not built.
 
-Under --compile (train.py compiles each block) an MoE block is two graphs: the ops before the host reads
-the counts keep fixed shapes (dropped assignments go to a last bin rather than being filtered out), so that
-read, which the splits need, is the one graph break (torch._dynamo.explain on one layer: 2 graphs, 1
-break); under --ep the all-to-alls, Python calls of the grid, run between graphs too (not measured).
+The host reads the device once per MoE layer and forward (on a GPU it waits there for the GPU):
+the counts, and under --ep what the other ranks send this one, exchanged on the device first, so
+that one read gives every split; the rest stays on the device (repeat_interleave is told its output
+size). On NCCL that read waits at most --timeout, and a collective that NCCL reports failed is one
+PeerError line, never its garbage read as split sizes (support/interrupt.host_read).
+
+Under --compile (train.py compiles each block) the routing compiles, its shapes fixed (dropped
+assignments go to a last bin rather than being filtered out); all that the counts give a shape to
+runs eagerly (`MoE.send`, torch.compiler.disable). A graph holding it would guard on the counts and
+compile again at nearly every forward (tests/test_moe.py counts the graphs); the experts are
+matmuls, which lose little outside a graph.
 
 Context parallelism (--cp) splits every sequence over ranks, and capacity and the balance loss are per
 sequence: each MoE layer all-gathers its tokens' choices over cp (context.SequenceChoices), so every rank
@@ -67,11 +75,14 @@ sequence's, P the rank's own tokens', and the mean of the cp ranks' losses is th
 
 Not built yet, and refused in one line (config.check_moe): experts with sequence parallelism (each tp
 rank would see a slice of every sequence, and tensor parallelism replicates the experts on whole ones),
---init-from, and ZeRO 3 with --ep.
+--init-from, and --precision fp8. (ZeRO 3 with --ep runs: each block's experts are a unit of their
+own, sharded over edp; tests/test_moe.py holds it to one process.)
 
 Traffic, counted per rank (--comm-report): each all-to-all of rows counts the bytes of *this rank's own*
 token rows (dispatch: the rows it sends; combine: the rows it gets back; the backward's two the same), that
-is kept_assignments x C x 4 bytes in fp32. Without dropping every token keeps its k choices, so per MoE
+is kept_assignments x C x 4 bytes in fp32. The rows cross in the dtype the experts compute in (under
+autocast bf16: 2 bytes, as Megatron and DeepSpeed send them, and so does the formula).
+Without dropping every token keeps its k choices, so per MoE
 layer and micro-batch: 2 forward + 2 backward all-to-alls of b T k C x 4 bytes each, plus one exchange of
 the E int64 counts (forward only); --recompute full runs the forward's three again in the backward. Under
 --cp each MoE forward also all-gathers b T k int64 choices over cp. The bytes that cross the links are
@@ -86,6 +97,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from support import interrupt
 
 
 def capacity(T: int, k: int, n_experts: int, factor: float) -> int:
@@ -180,6 +193,7 @@ class MoE(nn.Module):
         self.experts = Experts(n_experts, n_embd, hidden, swiglu)
         self.dropout = nn.Dropout(dropout)
         self.exchange = self.gather = None
+        self.grid = None  # where there are other ranks (shard.py): bounds the read of the device
         self.aux = self.z = self.load = self.dropped = None
         self.rows_sent = 0  # kept assignments of the training forwards so far: what --comm-report's formula counts
         # (a block recomputed for its backward, --recompute full, runs its forward twice: both count, alike)
@@ -188,33 +202,57 @@ class MoE(nn.Module):
         self.step_sums, self.step_forwards = None, 0  # (aux, z, dropped) summed over the step's training forwards
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
         with torch.autocast(x.device.type, enabled=False):  # the router in fp32, whatever the precision
             logits = F.linear(x.float(), self.router.weight.float())  # (B, T, E)
         r = route(logits, self.top_k, self.capacity_factor, self.gather)
         self.aux, self.z, self.load, self.dropped = r.aux, r.z, r.load, (~r.keep).float().mean()
-        if self.training:
-            numbers = torch.stack([r.aux, r.z, self.dropped]).detach()
-            self.step_sums = numbers if self.step_sums is None else self.step_sums + numbers
-            self.step_forwards += 1
         # every assignment (token, choice) by expert, in token order within one; dropped ones in a last bin
         expert = torch.where(r.keep, r.experts, self.n_experts).flatten()  # (B T k,)
         order = torch.argsort(expert, stable=True)
         counts = torch.zeros(self.n_experts + 1, dtype=torch.long, device=x.device).index_add_(
             0, expert, torch.ones_like(expert))
-        # The one read of the device: the host needs the splits (and under torch.compile the one graph break,
-        # the ops above keeping their shapes fixed until here)
-        *counts, _ = counts.tolist()
+        return self.send(x, order, counts[:-1], r.weights)  # (fixed shapes until here)
+
+    @torch.compiler.disable  # eager: no compiled graph guards on the counts (module docstring)
+    def send(self, x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor,
+             weights: torch.Tensor) -> torch.Tensor:
+        """The kept assignments' rows through their experts (here, or over the ep group) and back,
+        weighted and summed per token: all that the counts (E,), on the device, give a shape to."""
+        B, T, C = x.shape
+        if self.training:
+            numbers = torch.stack([self.aux, self.z, self.dropped]).detach()
+            self.step_sums = numbers if self.step_sums is None else self.step_sums + numbers
+            self.step_forwards += 1
+        got = counts[:0] if self.exchange is None else self.exchange.arriving(counts)
+        # The one read of the device: this rank's assignments per expert (the splits of its rows),
+        # and under --ep what each rank of the group sends this rank's experts (what arrives)
+        both = self.read(torch.cat([counts, got]))
+        counts, arriving = both[:self.n_experts], both[self.n_experts:]
         kept = sum(counts)
         self.rows_sent += kept if self.training else 0
-        token, weight = order[:kept] // self.top_k, r.weights.flatten()[order[:kept]]  # (kept,) each
-        rows = x.reshape(B * T, C)[token]  # (kept, C)
-        y = self.experts(rows, counts) if self.exchange is None else self.exchange(self.experts, rows, counts)
+        token, weight = order[:kept] // self.top_k, weights.flatten()[order[:kept]]  # (kept,) each
+        rows = x.reshape(B * T, C)[token].to(compute_dtype(x))  # (kept, C): as matmuls take them
+        y = self.experts(rows, counts) if self.exchange is None else \
+            self.exchange(self.experts, rows, counts, got, arriving)
         out = y.new_zeros(B * T, C).index_add_(0, token, y * weight[:, None].to(y.dtype))
         a, z = self.loss_weights
         if torch.is_grad_enabled() and (a or z):
-            out = RouterLoss.apply(out, a * r.aux + z * r.z, self.backward_scale)
+            out = RouterLoss.apply(out, a * self.aux + z * self.z, self.backward_scale)
         return self.dropout(out.view(B, T, C))
+
+    def read(self, t: torch.Tensor) -> list:
+        """t's values on the host; on NCCL at most --timeout, a failed collective one PeerError."""
+        if self.grid is None:
+            return t.tolist()
+        where = f"rank {self.grid.rank}, reading an MoE layer's counts"
+        return interrupt.host_read(self.grid, t, where)
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype autocast runs matmuls in, or x's own: the experts' input, so the rows cross the ep
+    group in it (bf16: half the bytes of fp32) and come back in it."""
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
 
 
 class RouterLoss(torch.autograd.Function):
@@ -307,15 +345,20 @@ class AllToAll(torch.autograd.Function):
     def forward(ctx, x, grid, send, recv, own):
         ctx.grid, ctx.send, ctx.recv, ctx.own = grid, send, recv, own
         out = x.new_empty(sum(recv), x.size(1))
-        grid.all_to_all(out, x.contiguous(), "ep", out_splits=recv, in_splits=send, nbytes=own * x[:1].nbytes)
+        grid.all_to_all(out, x.contiguous(), "ep", out_splits=recv, in_splits=send,
+                        nbytes=own * row_bytes(x))
         return out
 
     @staticmethod
     def backward(ctx, grad):
         out = grad.new_empty(sum(ctx.send), grad.size(1))
         ctx.grid.all_to_all(out, grad.contiguous(), "ep", out_splits=ctx.send, in_splits=ctx.recv,
-                            nbytes=ctx.own * grad[:1].nbytes)
+                            nbytes=ctx.own * row_bytes(grad))
         return out, None, None, None, None
+
+
+def row_bytes(x: torch.Tensor) -> int:
+    return x.size(1) * x.element_size()  # (not x[:1].nbytes: a rank may be sent no rows at all)
 
 
 class ExpertParallel:
@@ -325,17 +368,24 @@ class ExpertParallel:
     def __init__(self, grid):
         self.grid = grid
 
-    def __call__(self, experts: Experts, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def arriving(self, counts: torch.Tensor) -> torch.Tensor:
+        """(E,) rows this rank sends each expert -> (ep x E/ep,) on the device: [s x E/ep + j], the
+        rows rank s sends this rank's expert j. The host reads both at once (MoE.send)."""
+        got = torch.zeros_like(counts)  # not empty: a failed collective leaves no garbage here
+        self.grid.all_to_all(got, counts, "ep")
+        return got
+
+    def __call__(self, experts: Experts, rows: torch.Tensor, counts: list[int], got: torch.Tensor,
+                 arriving: list[int]) -> torch.Tensor:
         grid, ep = self.grid, self.grid.ep
         local = len(counts) // ep  # experts per rank
-        sent = torch.tensor(counts, device=rows.device).view(ep, local)  # [rank, its expert]: rows sent
-        got = torch.empty_like(sent)
-        grid.all_to_all(got, sent, "ep")  # got[s, j]: rows rank s sends to my expert j
-        got_list = got.tolist()
-        send, recv = sent.sum(1).tolist(), [sum(row) for row in got_list]
+        send = [sum(counts[r * local:(r + 1) * local]) for r in range(ep)]  # rows to each rank
+        recv = [sum(arriving[s * local:(s + 1) * local]) for s in range(ep)]  # and from each
         arrived = AllToAll.apply(rows, grid, send, recv, sum(send))  # by source rank, then expert
         # regroup by local expert (rows from each source stay in order), run, and put back
-        expert_of = torch.arange(local, device=rows.device).repeat(ep).repeat_interleave(got.flatten())
+        expert_of = torch.arange(local, device=rows.device).repeat(ep)
+        expert_of = expert_of.repeat_interleave(got, output_size=sum(recv))  # (no device read)
         order = torch.argsort(expert_of, stable=True)
-        y = torch.zeros_like(arrived).index_copy(0, order, experts(arrived[order], got.sum(0).tolist()))
+        y = experts(arrived[order], [sum(arriving[j::local]) for j in range(local)])
+        y = y.new_empty(y.shape).index_copy(0, order, y)  # in the experts' dtype (autocast's)
         return AllToAll.apply(y, grid, recv, send, sum(send))

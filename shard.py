@@ -394,6 +394,8 @@ def build_model(cfg: gpt.GPTConfig, grid: Grid, seed: int, device: torch.device,
         keep_stage(model, grid)
     if grid.ep > 1:
         apply_expert_parallel(model, grid)
+    for layer in moe.layers_of(model):  # with peers, its read of the counts is bounded (moe.py)
+        layer.grid = grid if grid.world > 1 else None
     specs = {name: getattr(p, "shard", None) for name, p in model.named_parameters(remove_duplicate=False)}
     return gpt.materialize(model, seed, device, shard_fn=lambda name, full: take_shard(full, specs[name]),
                            values=values)

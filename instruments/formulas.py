@@ -32,7 +32,7 @@ from zero import ParamGather, ZeroAdamW
 
 def expected_traffic(cfg: gpt.GPTConfig, grid: Grid, micro_batch: int, n_micro: int, seq_len: int,
                      sync: GradSync | None, model: torch.nn.Module, fp8_recipe: str | None = None,
-                     gather: ParamGather | None = None) -> dict:
+                     gather: ParamGather | None = None, compute: torch.dtype | None = None) -> dict:
     """Bytes this rank's collectives should move in one fp32 training step, by (op, group), from
     the formulas: Megatron's 2 all-reduces forward + 2 backward per layer of B*T*C activations
     (all-gather + reduce-scatter of the same volume under --sp), one activation send per
@@ -41,7 +41,8 @@ def expected_traffic(cfg: gpt.GPTConfig, grid: Grid, micro_batch: int, n_micro: 
     --recompute full the backward runs each block's forward again, collectives included (Megatron's
     full recomputation costs 2 more all-reduces per layer); the selective kind recomputes only the
     attention core, which communicates nothing, except under context parallelism (context_traffic).
-    A context-parallel rank holds seq_len / cp tokens of every activation."""
+    A context-parallel rank holds seq_len / cp tokens of every activation. `compute`: autocast's dtype, the
+    one expert parallelism's rows cross in (the other activations are counted in fp32)."""
     e, sp = defaultdict(int), grid.sp
     first, last = grid.first_stage, grid.last_stage
     layers = sum(len(chunk) for chunk in rank_layers(cfg.n_layer, grid.pp, grid.vp, grid.pp_rank))
@@ -85,7 +86,7 @@ def expected_traffic(cfg: gpt.GPTConfig, grid: Grid, micro_batch: int, n_micro: 
     if sync is not None and grid.dp_cp > 1:
         e.update(zero_traffic(sync, n_micro, next(model.parameters()).element_size(), gather))
     if grid.ep > 1:
-        e.update(expert_traffic(cfg, model, n_micro, cfg.recompute == "full"))
+        e.update(expert_traffic(cfg, model, n_micro, cfg.recompute == "full", (compute or torch.float32).itemsize))
     zero = sync is not None and sync.zero
     norm_groups = ("tp", "pp") + (("dp_cp",) if zero else ()) + (() if zero else ("ep",))
     for group in norm_groups:
@@ -119,16 +120,17 @@ def first_fp8_step(model: torch.nn.Module) -> bool:
     return any(state.x.updates == 1 for _, state in fp8.states(model))
 
 
-def expert_traffic(cfg: gpt.GPTConfig, model: torch.nn.Module, n_micro: int, recomputed: bool) -> dict:
-    """Bytes of expert parallelism's all-to-alls on this rank in one fp32 step (moe.py's docstring): per MoE
+def expert_traffic(cfg: gpt.GPTConfig, model: torch.nn.Module, n_micro: int, recomputed: bool, elem: int = 4) -> dict:
+    """Bytes of expert parallelism's all-to-alls on this rank in one step (moe.py's docstring): per MoE
     layer, the rows of this rank's kept assignments (b T k a micro-batch without dropping) dispatched and
-    combined forward and the same two backward, 4 x rows x C x 4 bytes, and one exchange of E int64 counts
-    a micro-batch; --recompute full runs the forward's three again. The expert weights' gradients are summed
-    over edp like any bucket (zero_traffic)."""
+    combined forward and the same two backward, 4 x rows x C x elem bytes (the dtype the experts compute in:
+    4 in fp32, 2 under bf16 or fp16 autocast), and one exchange of E int64 counts a micro-batch; --recompute
+    full runs the forward's three again. The expert weights' gradients are summed over edp like any bucket
+    (zero_traffic)."""
     layers, forwards = moe.layers_of(model), 2 if recomputed else 1  # the forward (and its recomputation)
     rows = sum(m.rows_sent for m in layers)  # every forward's: the backward's are one forward's
     counts = n_micro * len(layers) * forwards * cfg.moe_experts * 8
-    return {("all_to_all", "ep"): 2 * (rows + rows // forwards) * cfg.n_embd * 4 + counts}
+    return {("all_to_all", "ep"): 2 * (rows + rows // forwards) * cfg.n_embd * elem + counts}
 
 
 def context_traffic(grid: Grid, act: int, recompute: str, kv: int | None = None, grad_kv: int | None = None) -> dict:

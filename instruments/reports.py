@@ -159,7 +159,7 @@ def first_step_reports(run, memory: dict | None, gradient_events: list, gather_e
         expected = formulas.expected_traffic(run.model_cfg, grid, cfg.micro_batch_size,
                                              cfg.batch_size // grid.dp // cfg.micro_batch_size, cfg.seq_len,
                                              run.sync, run.model, cfg.fp8_recipe if run.precision.fp8 else None,
-                                             run.gather)
+                                             run.gather, run.precision.compute)
         text = comm_report(grid, expected)
         matches = traffic_matches(grid, expected)
         out.append(text + f"\nformula matches measurement on every rank: {'yes' if matches else 'NO'}"

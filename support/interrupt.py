@@ -26,7 +26,8 @@ repeat within REPEAT_S is the same Ctrl-C arriving twice: the terminal signals e
 foreground group, and torchrun forwards the one it got to its workers too.
 
 When a peer fails, a collective raises (gloo) or never completes (NCCL: the step's bounded wait,
-`wait_for_device`): `peer_call` and `wait_until` make either one PeerError line (train.py: exit status 3).
+`wait_for_device`, and each read of a collective's result mid-step, `host_read`): `peer_call` and
+`wait_until` make either one PeerError line (train.py: exit status 3).
 And on purpose: --crash-at kills the process at a step or in the middle of a save (`crash_due`), for the
 tests and lessons that prove nothing is lost.
 """
@@ -144,6 +145,18 @@ def wait_for_device(grid) -> None:
     done.record()  # after everything this step queued, its collectives' waits included
     wait_until(done.query, grid.timeout_s + NCCL_GRACE_S, f"rank {grid.rank}, waiting for the GPU to finish "
                "the step's collectives", failure=lambda: nccl_failure(grid))
+
+
+def host_read(grid, t: torch.Tensor, what: str) -> list:
+    """t.tolist(), bounded as the step's sync point is: on NCCL a read of what a collective produced (the split
+    sizes of an all-to-all) waits at most --timeout and a grace, and a collective NCCL reports failed is a
+    PeerError `what` (say the rank), not its garbage read as numbers. On gloo (its calls raise themselves)
+    or alone, the plain read."""
+    if grid.device.type == "cuda" and grid.world > 1:
+        done = torch.cuda.Event()
+        done.record()  # after the collectives that made t
+        wait_until(done.query, grid.timeout_s + NCCL_GRACE_S, what, failure=lambda: nccl_failure(grid))
+    return t.tolist()
 
 
 def nccl_failure(grid) -> str | None:

@@ -104,13 +104,11 @@ def check_kernel(device: str, dtype: str, head_dim: int, lengths=KERNEL_LENGTHS,
 
 def test_kernel_matches_float64_like_sdpa_and_is_deterministic():
     """fp16 and bf16, head dims 16 to 128, lengths 1 to 4096, one process per (dtype, head dim)."""
-    outs = run_python(*(f"import test_gpu; test_gpu.check_kernel('cuda', {dtype!r}, {D})"
-                        for dtype, D in KERNEL_CASES))
+    outs = run_python(*(f"import test_gpu; test_gpu.check_kernel('cuda', {dtype!r}, {D})" for dtype, D in KERNEL_CASES))
     print("".join(outs))  # the table of errors, ours next to SDPA's: pytest -s shows it
 
 
-def check_ring_blocks(device: str, dtype: str, head_dim: int, T: int = 1024, cp: int = 4,
-                      factor: float = 8.0) -> None:
+def check_ring_blocks(device: str, dtype: str, head_dim: int, T: int = 1024, cp: int = 4, factor: float = 8.0) -> None:
     """Ring attention's arithmetic (context.py) on one GPU: the cp ranks' blocks computed one after another
     by our kernel (causal on the diagonal, the unmasked mode with Tq != Tk off it), merged by their
     log-sum-exps, and the backward of every block from the merged output, put together: o, dq, dk, dv
@@ -248,8 +246,7 @@ def train_on_gpu(corpus: dict, out: Path, *flags: str, check: bool = True,
     """python train.py (or torchrun) with the CUDA defaults, on `corpus`, in a process without the interpreter."""
     launcher = [sys.executable] if nproc == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    cmd = launcher + ["train.py", "--data", corpus["data"], "--cache-dir", corpus["cache"], "--out", str(out),
-                      *flags]
+    cmd = launcher + ["train.py", "--data", corpus["data"], "--cache-dir", corpus["cache"], "--out", str(out), *flags]
     result = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=900)
     if check:
         assert result.returncode == 0, f"{' '.join(cmd)}: exit {result.returncode}\n" \
@@ -294,8 +291,7 @@ def test_a_killed_run_resumes_bitwise_on_cuda(variant, gpu_corpus, tmp_path):
     (saving synchronously). Sampling with the KV cache runs at every evaluation."""
     flags = [*RESUME, *VARIANTS[variant]]
     train_on_gpu(gpu_corpus, tmp_path / "straight", *flags)
-    killed = train_on_gpu(gpu_corpus, tmp_path / "killed", *flags, "--async-ckpt", "--crash-at", "step:13",
-                          check=False)
+    killed = train_on_gpu(gpu_corpus, tmp_path / "killed", *flags, "--async-ckpt", "--crash-at", "step:13", check=False)
     assert killed.returncode != 0, "--crash-at step:13 did not kill the run"
     resumed = train_on_gpu(gpu_corpus, tmp_path / "killed", *flags, "--async-ckpt")
     assert "resuming from" in resumed.stdout + resumed.stderr
@@ -327,8 +323,7 @@ def test_more_processes_than_gpus_is_one_line(gpu_corpus, tmp_path):
     Like every layout error under torchrun (cli.stop_every_rank, tests/test_parallel.py), rank 0 then exits
     2 and the others 0, so torchrun exits non-zero with that line as the cause in its summary."""
     n = torch.cuda.device_count() + 1
-    result = train_on_gpu(gpu_corpus, tmp_path / "run", "--preset", "tiny", "--max-steps", "1", nproc=n,
-                          check=False)
+    result = train_on_gpu(gpu_corpus, tmp_path / "run", "--preset", "tiny", "--max-steps", "1", nproc=n, check=False)
     said = result.stdout + result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and f"{n} processes on this node but {n - 1} visible GPU" in errors[0], said[-3000:]
@@ -598,3 +593,8 @@ def test_ring_attention_off_the_kernel_grows_linearly_on_cuda(monkeypatch):
 
     peaks = {T: peak(T) for T in (2048, 4096)}
     assert peaks[4096] <= 2.2 * peaks[2048], peaks
+
+
+def test_expert_parallel_rows_cross_in_bf16_and_the_gpu_is_read_once():
+    import test_moe  # its check_exchange, under CUDA's autocast (where index_copy does not promote)
+    test_moe.check_exchange("cuda")
