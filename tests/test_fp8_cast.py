@@ -2,7 +2,7 @@
 against fp8.quantize: every bf16 and fp16 value, fp32 values at every rounding boundary, the codes,
 the transposed codes, what saturates, what flushes and the amax; then fp8.py's fused path against its
 PyTorch path, a Linear over several steps and a tiny training run: the same bits. (The kernel compiled
-for sm_89 and sm_90: tests/test_kernels_aot.py.)"""
+for sm_89 and sm_90: tests/test_kernels_aot.py; run on a GPU: `check_fused`, which tests/test_gpu.py calls.)"""
 
 import json
 import math
@@ -17,6 +17,7 @@ import fp8_cast
 from fp8 import E4M3, E5M2
 
 FORMATS = [E4M3, E5M2]
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy: signaling NaNs
 
 
 def assert_casts_alike(x, fmt, scale, launch=None):
@@ -76,13 +77,13 @@ def test_fp32_values_at_every_rounding_boundary_cast_as_quantize(fmt):
     assert want.overflow.item() == 0 and want.underflow.item() > 0
 
 
-def delayed_steps(fused: bool, keep: bool = True, steps: int = 3, micro: int = 2, seed: int = 0):
+def delayed_steps(fused: bool, keep: bool = True, steps: int = 3, micro: int = 2, seed: int = 0, device="cpu"):
     """fp8_linear over `steps` optimizer steps of `micro` micro-batches, delayed scaling, K and N not
     multiples of 16 (the matmuls pad); the activations jump 30x at step 2. -> every output and gradient,
     each step's statistics, and the casts made (their shapes and which codes they wrote)."""
     gen = torch.Generator().manual_seed(seed)
-    w, b = torch.randn(20, 24, generator=gen) * 0.1, torch.randn(20, generator=gen)
-    state = fp8.Fp8LinearState("delayed", history=2, fused=fused, keep_weight=keep)
+    w, b = (torch.randn(20, 24, generator=gen) * 0.1).to(device), torch.randn(20, generator=gen).to(device)
+    state = fp8.Fp8LinearState("delayed", history=2, fused=fused, keep_weight=keep, device=device)
     calls, real = [], fp8_cast.cast_transpose
 
     def counting(x, fmt, scale, rows=True, cols=False, launch=None):
@@ -95,12 +96,12 @@ def delayed_steps(fused: bool, keep: bool = True, steps: int = 3, micro: int = 2
         for step in range(steps):
             wr, br = w.clone().requires_grad_(), b.clone().requires_grad_()  # the step's parameters
             for _ in range(micro):
-                x = (torch.randn(40, 24, generator=gen) * (30 if step == 1 else 1)).requires_grad_()
+                x = (torch.randn(40, 24, generator=gen) * (30 if step == 1 else 1)).to(device).requires_grad_()
                 y = fp8.fp8_linear(x, wr, br, state)
-                y.backward(torch.randn(40, 20, generator=gen) * 1e-3)
+                y.backward((torch.randn(40, 20, generator=gen) * 1e-3).to(device))
                 out += [y.detach(), x.grad, wr.grad.clone(), br.grad.clone()]
             stats.append(state.update())
-            w = w - 0.01 * torch.randn(20, 24, generator=gen)  # the optimizer's step: a new weight
+            w = w - 0.01 * torch.randn(20, 24, generator=gen).to(device)  # the optimizer's step: a new weight
     finally:
         fp8_cast.cast_transpose = real
     return out, stats, calls
@@ -157,3 +158,20 @@ def test_a_training_run_through_the_fused_cast_has_the_unfused_losses_bit_for_bi
     (plain, plain_w), (fused, fused_w) = train(False), train(True)
     assert plain == fused and plain[-1] < plain[0], (plain, fused)
     assert all(torch.equal(a, b) for a, b in zip(plain_w, fused_w, strict=True))
+
+
+def check_fused(device: str) -> None:
+    """The kernel on `device` (tests/test_gpu.py runs this on a GPU, compiled; it dry-runs on a CPU in the
+    interpreter): every bf16 value and fp32's rounding boundaries cast as fp8.quantize casts them there,
+    and where _scaled_mm multiplies fp8, fp8_linear's steps give the same bits fused and not."""
+    x = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).reshape(256, 256)
+    for fmt in FORMATS:
+        assert_casts_alike(x.to(device), fmt, torch.tensor(0.37, device=device))
+        edges = boundaries(fmt)
+        assert_casts_alike(torch.cat([edges, edges.new_zeros(-len(edges) % 64)]).reshape(64, -1).to(device), fmt,
+                           torch.tensor(1.0, device=device))
+    if fp8.fp8_supported(device) is None:
+        (plain, _, _), (fused, _, calls) = delayed_steps(False, device=device), delayed_steps(True, device=device)
+        assert all(torch.equal(a, b) for a, b in zip(plain, fused, strict=True)) and calls
+    print(f"fp8_cast on {device}: quantize's bits" + (", fp8_linear's too" if fp8.fp8_supported(device) is None
+                                                      else " (no fp8 matmul here)"))

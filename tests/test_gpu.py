@@ -212,11 +212,9 @@ def test_compiled_llama_with_grouped_query_triton_attention_matches_eager():
 
 
 def check_backend_choice(device: str) -> None:
-    """What train.py asks before training: on an A100 or newer, `auto` is our kernel in bf16 and fp16 where
-    support/launches.py measured it faster than SDPA here, else SDPA (and in fp32: --attn triton is refused
-    in one line). And `auto` left to compiled code traces too (the device query is a constant to compile)."""
-    kernels = compiled_kernels(device)
-    device = torch.device(device)
+    """What train.py asks before training: on an A100 or newer, `auto` is ours where support/launches.py has it
+    faster than SDPA here, else SDPA (fp32: --attn triton refused in one line); compiled code traces `auto` too."""
+    kernels, device = compiled_kernels(device), torch.device(device)
     props = torch.cuda.get_device_properties(device)
     print(f"{props.name} (sm_{props.major}{props.minor})")
     if (capability := (props.major, props.minor)) < (8, 0):
@@ -263,8 +261,7 @@ def losses(out: Path) -> dict[int, float]:
 
 
 def test_the_default_run_trains_on_this_gpu(gpu_corpus, tmp_path):
-    """`python train.py` with every CUDA default (only the length cut): bf16, `auto`'s attention (and the
-    start-up line says why), compiled blocks; the loss falls and a sample is printed."""
+    """`python train.py` with every CUDA default (only the length cut): the loss falls, the start-up line says why."""
     result = train_on_gpu(gpu_corpus, tmp_path / "run", "--max-steps", "30", "--eval-every", "15")
     run = losses(tmp_path / "run")
     assert run[30] < run[1] - 1.0, f"the loss did not fall: step 1 {run[1]:.3f}, step 30 {run[30]:.3f}"
@@ -572,6 +569,10 @@ def test_collectives_are_timed_on_the_communication_side():
     print(run_python("import test_gpu; test_gpu.check_collective_timed_on_its_stream('cuda')")[0])
 
 
+def test_the_fused_fp8_cast_gives_quantizes_bits_on_cuda():  # tests/test_fp8_cast.py: in the interpreter
+    print(run_python("import test_fp8_cast; test_fp8_cast.check_fused('cuda')")[0])
+
+
 def test_fp16_loss_gradient_keeps_its_small_entries_on_cuda():
     import test_model
 
@@ -579,8 +580,7 @@ def test_fp16_loss_gradient_keeps_its_small_entries_on_cuda():
 
 
 def test_ring_attention_off_the_kernel_grows_linearly_on_cuda(monkeypatch):
-    """fp32 ring attention (the math blocks) on the GPU: doubling T doubles the memory (tests/test_context.py
-    measures the same on a CPU)."""
+    """fp32 ring attention (the math blocks) on the GPU: doubling T doubles the memory (test_context.py: on a CPU)."""
     import context
     import parallel
     from instruments import reports
