@@ -24,7 +24,7 @@ import parallel
 import pipeline
 import stability
 from fp8 import fp8_supported
-from support import cli, tokenizer
+from support import cli, launches, tokenizer
 from support.cli import arg, at_least
 from support.devices import ConfigError  # raised here too; caught as config.ConfigError
 from support.sources import SOURCE_HELP
@@ -66,7 +66,8 @@ class TrainConfig:
     seq_len: int = arg(0, "tokens per sequence", at_least(1), shown="the model's context on CUDA, 128 on CPU")
     dropout: float = arg(0.0, "dropout probability", (lambda v: 0 <= v < 1, "must be in [0, 1)"))
     attn: str = arg("auto", "attention backend", choices=list(kernels.BACKENDS),
-                    shown="our Triton kernel on CUDA where it applies, SDPA elsewhere")
+                    shown="SDPA; our Triton kernel where a GPU measured it faster "
+                    "(support/launches.py)")
     recompute: str = arg("none", "activation recomputation: keep only each block's input and recompute the "
                          "block in the backward (full), or recompute only the attention core (selective)",
                          choices=["none", "selective", "full"])
@@ -384,6 +385,17 @@ def resolve_attention(cfg: TrainConfig, device: torch.device, head_dim: int) -> 
     if cfg.attn == "triton" and (problem := kernels.triton_problem(device, dtype, head_dim)):
         raise ConfigError(f"--attn triton: {problem}")
     return cfg.attn
+
+
+def describe_attention(cfg: TrainConfig, asked: str, device: torch.device, head_dim: int) -> str:
+    """The start-up line's attention: the backend and, where `auto` chose it on a GPU, why."""
+    if asked != "auto" or device.type != "cuda" or kernels.INTERPRETED:
+        return cfg.attn
+    dtype = stability.PRECISIONS[cfg.precision].compute or torch.float32
+    if problem := kernels.triton_problem(device, dtype, head_dim):
+        return f"{cfg.attn} (auto: {problem.split('; ')[0]})"  # the reason, not the advice
+    props = torch.cuda.get_device_properties(device)
+    return f"{cfg.attn} (auto: {launches.measured((props.major, props.minor), head_dim, dtype)})"
 
 
 def resolve_steps(cfg: TrainConfig, device: torch.device, train_tokens: int, log=print) -> None:

@@ -73,6 +73,13 @@ in the backward with the forward's scale: the same bits, and no fp8 copy of ever
 forward to backward. A cast under no_grad (evaluation, sampling, recomputation's first forward) uses
 the scale but records nothing; recomputation's second forward records, so each cast counts once.
 
+The fast path (fp8_cast.py): on a GPU under delayed scaling each cast is one Triton kernel that
+reads the tensor once and writes its codes, and the transposed codes the backward's matmuls take
+(TransformerEngine's cast-transpose), with the amax and the counts reduced in the same pass: the
+same bits as `quantize`. There a weight, whose scale and value are fixed for the step, is cast once
+per optimizer step: its codes and their transpose (2 bytes a weight) are kept to the step's end,
+its saturations counted once. ZeRO-3 gathers its weights per use, so it casts once per gather.
+
 `_scaled_mm`'s contract (CUDA's, the strictest; the CPU accepts more, but this file keeps CUDA's
 everywhere so the code that passes here runs on an H100): 2-D operands, the first row-major, the
 second column-major; the contraction dim and the second operand's columns multiples of 16 (padded
@@ -90,6 +97,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+import fp8_cast
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 MANTISSA_BITS = {E4M3: 3, E5M2: 2}
@@ -195,10 +204,13 @@ class Scaling:
     counts. `update()`, once per optimizer step, rolls the step's amax into the history (newest first,
     as TE keeps it), takes the delayed scale from the history's max for the next step, resets the
     counts and returns the finished step's statistics. Everything stays on the device: no host reads.
+    `fused`: cast through fp8_cast's kernel (None: on a GPU under delayed scaling); `keep`: on that
+    path, keep the codes of a tensor's first cast in a step (a weight's) for the rest of the step.
     """
 
     def __init__(self, fmt: torch.dtype, recipe: str = "current", history: int = DEFAULT_HISTORY,
-                 margin: float = 0.0, reduce_max: ReduceMax | None = None, device="cpu"):
+                 margin: float = 0.0, reduce_max: ReduceMax | None = None, device="cpu",
+                 fused: bool | None = None, keep: bool = False):
         if fmt not in MANTISSA_BITS:
             raise ValueError(f"fp8 format must be float8_e4m3fn or float8_e5m2, not {fmt}")
         if recipe not in RECIPES:
@@ -209,6 +221,7 @@ class Scaling:
         self.amax_history = torch.zeros(history, device=device)  # [0] is the newest step
         self.scale = torch.ones((), device=device)  # delayed: this step's; current: the last cast's
         self.updates = 0  # update() calls: steps recorded in the history
+        self.fused, self.keep = fused, keep
         self._reset()
 
     def _reset(self) -> None:
@@ -216,23 +229,57 @@ class Scaling:
         self.step_amax = torch.zeros((), device=device)  # max |t| over this step's casts (this rank's, for delayed)
         self.overflow = torch.zeros((), dtype=torch.int64, device=device)
         self.underflow = torch.zeros((), dtype=torch.int64, device=device)
+        self.kept = None  # keep: ((t's address, version), (q, scale, qᵀ)) of this step
 
-    def cast(self, t: torch.Tensor, record: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """t in fp8 and the scale used: t ≈ q / scale."""
+    def cast(self, t: torch.Tensor, record: bool = True, transpose: bool = False) -> tuple:
+        """t in fp8 and the scale used: t ≈ q / scale. transpose: a third value, tᵀ's codes,
+        row-major as the backward's matmuls take them: on the fused path written by the same pass
+        (fp8_cast.py), else None."""
         t = t.detach()
-        amax = t.abs().amax().float()
-        if self.recipe == "current" or self.updates == 0:
+        if (kept := self._kept(t)) is not None:
+            return kept if transpose else kept[:2]
+        fused, delayed = self._fused(t), self.recipe == "delayed" and self.updates > 0
+        keep = record and self.keep and fused and delayed  # the history's scale: fixed for the step
+        amax = None if fused and delayed else t.abs().amax().float()  # (fused: the kernel's)
+        if not delayed:
             if self.reduce_max is not None:
                 amax = self.reduce_max(amax)  # the whole tensor's, when t is one rank's part of it
             scale = scale_for(amax, self.fmt, self.margin)
         else:
             scale = self.scale
-        q = quantize(t, self.fmt, scale)
+        if fused:  # one pass: the codes (and tᵀ's), the counts and the amax
+            data, data_t, over, under, seen = fp8_cast.cast_transpose(t, self.fmt, scale,
+                                                                       cols=transpose or keep)
+            q, amax = Quantized(data, over, under), seen if amax is None else amax
+        else:
+            q, data_t = quantize(t, self.fmt, scale), None
         if record:
             self.scale = scale
             self.step_amax = torch.maximum(self.step_amax, amax)
             self.overflow, self.underflow = self.overflow + q.overflow, self.underflow + q.underflow
-        return q.data, scale
+            if keep:  # the step's other casts of t take these codes
+                self.kept = ((t.data_ptr(), t._version), (q.data, scale, data_t))
+        return (q.data, scale, data_t) if transpose else (q.data, scale)
+
+    def recast(self, t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """t's codes (N, K) again, for the backward, recording nothing: the kept ones, or cast anew
+        (on the fused path as tᵀ's codes, so column-major, as dX = dY W wants W)."""
+        if (kept := self._kept(t)) is not None:
+            return kept[2].t()
+        if self._fused(t):
+            _, data_t, *_ = fp8_cast.cast_transpose(t.detach(), self.fmt, scale, rows=False,
+                                                    cols=True)
+            return data_t.t()
+        return quantize(t, self.fmt, scale).data
+
+    def _kept(self, t: torch.Tensor) -> tuple | None:
+        """(q, scale, qᵀ) kept this step for t: the same tensor, not written to since."""
+        return self.kept[1] if self.kept and self.kept[0] == (t.data_ptr(), t._version) else None
+
+    def _fused(self, t: torch.Tensor) -> bool:
+        """Through fp8_cast's kernel? `fused`; where it is None, on a GPU under delayed scaling."""
+        on = self.fused if self.fused is not None else t.is_cuda and self.recipe == "delayed"
+        return on and fp8_cast.triton is not None and t.dim() == 2 and t.dtype in OUT_DTYPES
 
     def update(self, reduce_max: ReduceMax | None = None) -> dict[str, torch.Tensor]:
         """End of an optimizer step. `reduce_max` spans every rank whose casts belong to this step's
@@ -272,14 +319,17 @@ class Scaling:
 class Fp8LinearState:
     """The three roles of one Linear: x (its input, e4m3), w (its weight, e4m3), g (its output's
     gradient, e5m2). `reduce_max` is one callable for all three or a dict by role (a column-parallel
-    layer's x is whole on each rank while its w and g are split; a row-parallel layer's x and w split)."""
+    layer's x is whole on each rank while its w and g are split; a row-parallel layer's x and w
+    split). `fused` and `keep_weight`: Scaling's `fused`, and its `keep` for w."""
 
     def __init__(self, recipe: str = "current", history: int = DEFAULT_HISTORY, margin: float = 0.0,
-                 reduce_max: ReduceMax | dict[str, ReduceMax] | None = None, device="cpu"):
+                 reduce_max: ReduceMax | dict[str, ReduceMax] | None = None, device="cpu",
+                 fused: bool | None = None, keep_weight: bool = True):
         hooks = reduce_max if isinstance(reduce_max, dict) else dict.fromkeys(ROLES, reduce_max)
         if not set(hooks) <= set(ROLES):
             raise ValueError(f"reduce_max roles must be among {', '.join(ROLES)}, not {', '.join(hooks)}")
-        self.x, self.w, self.g = (Scaling(fmt, recipe, history, margin, hooks.get(role), device)
+        self.x, self.w, self.g = (Scaling(fmt, recipe, history, margin, hooks.get(role), device,
+                                          fused, keep=keep_weight and role == "w")
                                   for role, fmt in ROLES.items())
 
     def roles(self) -> dict[str, Scaling]:
@@ -301,12 +351,12 @@ class _Fp8Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, state: Fp8LinearState, out_dtype: torch.dtype, record: bool):
-        xq, sx = state.x.cast(x, record)  # (M, K) e4m3
+        xq, sx, xq_t = state.x.cast(x, record, transpose=True)  # (M, K) e4m3; fused: and (K, M)
         wq, sw = state.w.cast(weight, record)  # (N, K) e4m3: after ZeRO-3's gather, since it is the gathered W
         y = scaled_matmul(xq, wq.t(), sx, sw, out_dtype)  # (M, N); wq.t() is column-major as it is
         if bias is not None:
             y = y + bias.to(out_dtype)
-        ctx.save_for_backward(xq, weight, sx, sw)
+        ctx.save_for_backward(xq if xq_t is None else xq_t.t(), weight, sx, sw)  # xq: 1 byte each
         ctx.state, ctx.x_dtype, ctx.bias_dtype = state, x.dtype, None if bias is None else bias.dtype
         return y
 
@@ -315,12 +365,13 @@ class _Fp8Linear(torch.autograd.Function):
         xq, weight, sx, sw = ctx.saved_tensors
         dx = dw = db = None
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
-            gq, sg = ctx.state.g.cast(dy)  # (M, N) e5m2
+            gq, sg, gq_t = ctx.state.g.cast(dy, transpose=True)  # (M, N) e5m2; fused: and (N, M)
             if ctx.needs_input_grad[0]:
-                wq = quantize(weight, E4M3, sw).data  # the forward's bits again (already counted)
+                wq = ctx.state.w.recast(weight, sw)  # the forward's bits again (already counted)
                 dx = scaled_matmul(gq, wq, sg, sw, ctx.x_dtype)  # (M, N) @ (N, K)
             if ctx.needs_input_grad[1]:
-                dw = scaled_matmul(gq.t(), xq, sg, sx, weight.dtype)  # (N, M) @ (M, K)
+                gq_t = gq.t() if gq_t is None else gq_t  # (N, M)
+                dw = scaled_matmul(gq_t, xq, sg, sx, weight.dtype)  # (N, M) @ (M, K)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             db = dy.float().sum(0).to(ctx.bias_dtype)  # (N,), summed in fp32
         return dx, dw, db, None, None, None
@@ -360,14 +411,17 @@ def fp8_supported(device: torch.device | str) -> str | None:
 # ----------------------------------------------------------------------------- a model's Linears
 
 
-def enable(model: torch.nn.Module, grid, recipe: str = "current", history: int = DEFAULT_HISTORY) -> list:
+def enable(model: torch.nn.Module, grid, recipe: str = "current", history: int = DEFAULT_HISTORY,
+           fused: bool | None = None, keep_weights: bool = True) -> list:
     """--precision fp8: give every Linear of the transformer blocks (qkv, attention out, MLP in and out) the
     scaling of its three tensors; the embeddings, the norms and the output layer stay as they were.
     A tensor split over ranks takes its amax over them (`reduce_max`, an all-reduce MAX through the Grid,
     counted): tensor parallelism splits a column-parallel layer's w and output gradient (its weight's
     `shard` dim is 0) and a row-parallel layer's x and w (dim 1); context parallelism splits every x and
     gradient along the sequence. So a layout casts each element with the scale one process would.
-    Returns [(module name, Fp8LinearState)] in module order."""
+    `fused`: the casts through fp8_cast's kernel (None: on a GPU under delayed scaling);
+    `keep_weights` False under ZeRO-3, whose weights are gathered per use. Returns [(module name,
+    Fp8LinearState)] in module order."""
     states = []
     for name, m in model.named_modules():
         if not name.startswith("transformer.h.") or not hasattr(type(m), "fp8"):
@@ -380,7 +434,7 @@ def enable(model: torch.nn.Module, grid, recipe: str = "current", history: int =
             groups["x"].append("cp")
             groups["g"].append("cp")
         m.fp8 = Fp8LinearState(recipe, history, reduce_max={r: _reduce_over(grid, gs) for r, gs in groups.items()},
-                               device=grid.device)
+                               device=grid.device, fused=fused, keep_weight=keep_weights)
         states.append((name, m.fp8))
     return states
 

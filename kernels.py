@@ -6,8 +6,8 @@
     math    softmax(q k^T / sqrt(d) + causal mask) v, written out. Materializes the (T, T) score
             matrix: O(T^2) memory. The version to read, and the reference the others are tested against.
     sdpa    torch.nn.functional.scaled_dot_product_attention: PyTorch picks a fused kernel where it has one.
-    triton  our FlashAttention-2 kernel below (forward and backward). `auto` picks it on CUDA GPUs from
-            the A100 on (sm_80+), in fp16/bf16 with head_dim 16, 32, 64 or 128; SDPA otherwise.
+    triton  our FlashAttention-2 kernel below (forward and backward). `auto` picks it where a GPU
+            measured it faster than SDPA (support/launches.py, MEASURED); SDPA otherwise.
 
     resolve_backend(device, dtype, head_dim)   what `auto` means there: "triton" or "sdpa"
     triton_problem(device, dtype, head_dim)    None if the kernel runs there, else one line: why not, what to do
@@ -76,7 +76,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from support.launches import HEAD_DIMS, INTERPRETER_LAUNCH, SHIPPED, Launch  # noqa: F401 (re-exported)
+from support.launches import HEAD_DIMS, INTERPRETER_LAUNCH, SHIPPED, Launch, faster  # noqa: F401
 
 try:
     import triton
@@ -339,19 +339,14 @@ def _grid(T: int, block: int, BH: int) -> tuple[int, int]:
     return triton.cdiv(T, block), BH
 
 
-def _group_size(q: torch.Tensor, k: torch.Tensor) -> int:
-    return q.size(1) // k.size(1)  # G = H / H_kv query heads share each kv head (check_heads: it divides)
-
-
 def _empty_bhtd(like: torch.Tensor) -> torch.Tensor:
     """(B, H, T, D) laid out as (B, T, H, D): the model's y.transpose(1, 2).reshape is then free."""
     B, H, T, D = like.shape
     return like.new_empty(B, T, H, D).transpose(1, 2)
 
 
-def _empty_lse(like: torch.Tensor) -> torch.Tensor:
-    B, H, T, _ = like.shape
-    return like.new_empty(B, H, T, dtype=torch.float32)  # contiguous: the kernels index it as bh * T + t
+def _empty_lse(like: torch.Tensor) -> torch.Tensor:  # (B, H, T), contiguous: indexed as bh * T + t
+    return like.new_empty(like.shape[:3], dtype=torch.float32)
 
 
 def flash_forward(q, k, v, cfg: Launch, causal: bool = True):
@@ -364,7 +359,7 @@ def flash_forward(q, k, v, cfg: Launch, causal: bool = True):
     o, lse = _empty_bhtd(q), _empty_lse(q)
     grid = _grid(TQ, cfg.block_m, B * H)  # a program per (query block, batch, query head)
     _attn_fwd[grid](q, k, v, o, lse, *_bht(q), *_bht(k), *_bht(v), *_bht(o),
-                    H, _group_size(q, k), TQ, TK, 1 / math.sqrt(D),
+                    H, H // k.size(1), TQ, TK, 1 / math.sqrt(D),  # G = H / H_kv
                     HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
                     num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages)
     return o, lse
@@ -383,7 +378,7 @@ def flash_backward(q, k, v, o, lse, do, cfg: Launch, out=None, causal: bool = Tr
     dq, dk, dv = out or (_empty_bhtd(q), _empty_bhtd(k), _empty_bhtd(k))
     assert dk.stride() == dv.stride(), "one set of strides for dK and dV"
     common = (*_bht(q), *_bht(k), *_bht(v), *_bht(do))
-    scalars = (H, _group_size(q, k), TQ, TK, 1 / math.sqrt(D))
+    scalars = (H, H // H_kv, TQ, TK, 1 / math.sqrt(D))
     launch = dict(HEAD_DIM=D, CAUSAL=causal, num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages)
     # dK, dV: a program per `big` keys of a kv head, walking `small` query blocks of each query head of
     # its group; dQ: a program per `big` queries of a query head, walking `small` key blocks
@@ -426,11 +421,14 @@ def triton_problem(device: torch.device, dtype: torch.dtype, head_dim: int) -> s
 
 
 def resolve_backend(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
-    """What `auto` means for these inputs: our kernel on a CUDA GPU that can run it, SDPA everywhere else
-    (never the interpreter: it is for checking the kernel, far too slow to choose by default). Call it once,
-    up front, and pass the answer to compiled code."""
+    """What `auto` means here: our kernel on a GPU that runs it, where one of its kind measured it
+    faster than SDPA (support/launches.py, MEASURED); SDPA everywhere else, the interpreter too: no
+    default run is slower for the kernel being one to learn from. Decide once, pass it on."""
     on_gpu = torch.device(device).type == "cuda" and not INTERPRETED
-    return "triton" if on_gpu and triton_problem(device, dtype, head_dim) is None else "sdpa"
+    if not on_gpu or triton_problem(device, dtype, head_dim):
+        return "sdpa"
+    props = torch.cuda.get_device_properties(device)  # a constant to torch.compile
+    return "triton" if faster((props.major, props.minor), head_dim, dtype) else "sdpa"
 
 
 # ----------------------------------------------------------------------------- the custom op

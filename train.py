@@ -151,7 +151,7 @@ def setup(cfg: config.TrainConfig, arch: dict | None = None, init_values=None) -
     """Everything before the first step. --init-from (instruments/hf.py, which `main` asks): `arch`, the
     GPTConfig fields of that model, and `init_values(model)`, which gives p -> this rank's slice of p's
     starting value; without them every parameter starts from (seed, name)."""
-    device = devices.pick_device(cfg.device)
+    device, attn_asked = devices.pick_device(cfg.device), cfg.attn  # (`auto` is resolved next)
     cfg = config.resolve_defaults(cfg, device, bf16_ok=device.type != "cuda" or torch.cuda.is_bf16_supported(),
                                   arch=arch)
     precision = stability.PRECISIONS[cfg.precision]
@@ -194,7 +194,9 @@ def setup(cfg: config.TrainConfig, arch: dict | None = None, init_values=None) -
     on = device.type if grid.world == 1 else \
         f"{grid.world} {device.type} processes (dp {grid.dp} x tp {grid.tp} x pp {grid.pp} x cp {grid.cp})"
     log(f"{model_cfg.n_layer}-layer model ({cfg.preset}, {n_params / 1e6:.1f}M parameters) on {on}: "
-        f"{stability.describe(cfg, model_cfg)}, attention {cfg.attn}, compile {'on' if cfg.compile else 'off'}, "
+        f"{stability.describe(cfg, model_cfg)}, attention "
+        f"{config.describe_attention(cfg, attn_asked, device, model_cfg.head_dim)}, "
+        f"compile {'on' if cfg.compile else 'off'}, "
         f"{cfg.max_steps} steps of {cfg.batch_size} x {cfg.seq_len} tokens")
     if cfg.zero and grid.dp == 1:
         log(f"--zero {cfg.zero} shards nothing here: ZeRO splits state across the data-parallel ranks, and "
@@ -225,7 +227,7 @@ def build_model_and_optimizer(cfg: config.TrainConfig, grid: parallel.Grid, mode
                 p.copy_(value(p))
     moe.train_with(model, cfg.moe_aux_loss, cfg.moe_z_loss)  # experts: the router losses' weights
     if stability.PRECISIONS[cfg.precision].fp8:
-        fp8.enable(model, grid, cfg.fp8_recipe, cfg.fp8_amax_history)
+        fp8.enable(model, grid, cfg.fp8_recipe, cfg.fp8_amax_history, keep_weights=not zero3)
     if cfg.compile:
         compile_model(model, grid)
     sync = None

@@ -1,7 +1,9 @@
 """The Triton attention kernel's launch configurations: block sizes, warps and pipeline stages, per
-(head_dim, dtype). Numbers the kernel stands on, not how attention is computed (kernels.py is that):
-chosen on a GPU by tests/tune_attention.py, proven to compile for sm_80 and sm_90 without spilling by
-tests/test_kernels_aot.py. kernels.py re-exports them (kernels.SHIPPED, kernels.Launch)."""
+(head_dim, dtype); and what a GPU measured of it against SDPA, which `--attn auto` goes by. Numbers
+the kernel stands on, not how attention is computed (kernels.py is that): chosen on a GPU by
+tests/tune_attention.py, proven to compile for sm_80 and sm_90 without spilling by
+tests/test_kernels_aot.py, timed by tests/bench_attention.py. kernels.py re-exports the table
+(kernels.SHIPPED, kernels.Launch)."""
 
 from typing import NamedTuple
 
@@ -38,3 +40,39 @@ for _dtype in (torch.float16, torch.bfloat16):
 HEAD_DIMS = (16, 32, 64, 128)
 # In the interpreter: small blocks (quick to interpret, and tiny tests still cross block boundaries).
 INTERPRETER_LAUNCH = Launch(32, 16, 4, 1, 16, 32, 4, 1)
+
+
+
+class Measured(NamedTuple):
+    """Our kernel's forward + backward TFLOP/s over SDPA's, at the worst and the best of
+    tests/bench_attention.py's shapes (causal, 16 heads, T 1k to 8k), and the run that measured
+    them."""
+    low: float
+    high: float
+    source: str
+
+
+# What `--attn auto` goes by (kernels.resolve_backend): our kernel only where a GPU measured it
+# faster than SDPA, forward + backward (training's work), at every shape; SDPA where it was slower
+# or never measured, so that nobody's default run is slower for the kernel being one to learn from.
+# By (compute capability, head_dim, dtype); a GPU run of tests/bench_attention.py adds or replaces
+# rows (README, "Measured", has the runs).
+MEASURED: dict[tuple[tuple[int, int], int, torch.dtype], Measured] = {
+    ((9, 0), 64, torch.bfloat16): Measured(0.70, 0.76, "H200, 2026-11-26, Triton 3.6"),
+    ((9, 0), 128, torch.bfloat16): Measured(0.35, 0.43, "H200, 2026-11-26, Triton 3.6"),
+}
+
+
+def faster(capability: tuple[int, int], head_dim: int, dtype: torch.dtype) -> bool:
+    """Has a GPU of this capability measured ours faster than SDPA at this head_dim and dtype?"""
+    m = MEASURED.get((capability, head_dim, dtype))
+    return m is not None and m.low > 1
+
+
+def measured(capability: tuple[int, int], head_dim: int, dtype: torch.dtype) -> str:
+    """What MEASURED says there, in words: why `auto` chose as it did on a GPU that runs ours."""
+    name = str(dtype).removeprefix("torch.")
+    where = f"sm_{capability[0]}{capability[1]}, head dim {head_dim}, {name}"
+    if (m := MEASURED.get((capability, head_dim, dtype))) is None:
+        return f"ours never measured on {where}; tests/bench_attention.py there would say"
+    return f"ours {m.low:.2f}-{m.high:.2f}x SDPA forward+backward on {where} ({m.source})"

@@ -209,9 +209,53 @@ def test_triton_problem_on_gpus(on_a_gpu):
     assert kernels.triton_problem(cuda, torch.float32, 64) == \
         "the kernel computes in fp16 or bf16, not float32; use --precision bf16 or fp16, or --attn sdpa"
     assert "(16, 32, 64, 128)" in kernels.triton_problem(cuda, torch.bfloat16, 96)
-    assert kernels.resolve_backend(cuda, torch.bfloat16, 64) == "triton"
     assert kernels.resolve_backend(cuda, torch.float32, 64) == "sdpa"
     assert kernels.resolve_backend(cuda, torch.bfloat16, 96) == "sdpa"
+
+
+def test_auto_takes_our_kernel_only_where_a_gpu_measured_it_faster(on_a_gpu, monkeypatch):
+    """`auto` by (capability, head dim, dtype), from support/launches.py's MEASURED: today's table (an
+    H200, sm_90, measured ours slower than SDPA forward + backward at head dims 64 and 128 in bf16) gives
+    SDPA there, and SDPA where nothing was measured (an A100; fp16 on the H100); a row that measured ours
+    faster gives ours, on that capability only; where the kernel cannot run, SDPA whatever the table."""
+    from support import launches
+
+    cuda, bf16, fp16 = torch.device("cuda"), torch.bfloat16, torch.float16
+    assert launches.MEASURED[(9, 0), 64, bf16].high < 1 and launches.MEASURED[(9, 0), 128, bf16].high < 1
+    on_a_gpu("NVIDIA H100 80GB HBM3", (9, 0))
+    assert [kernels.resolve_backend(cuda, dt, d) for dt, d in ((bf16, 64), (bf16, 128), (fp16, 64))] == ["sdpa"] * 3
+    faster = {**launches.MEASURED, ((9, 0), 64, fp16): launches.Measured(1.05, 1.2, "a test")}
+    monkeypatch.setattr(launches, "MEASURED", faster)
+    assert kernels.resolve_backend(cuda, fp16, 64) == "triton" and kernels.resolve_backend(cuda, bf16, 64) == "sdpa"
+    assert kernels.resolve_backend(cuda, fp16, 96) == "sdpa"  # a head dim the kernel does not take
+    on_a_gpu("NVIDIA A100-SXM4-80GB", (8, 0))
+    assert kernels.resolve_backend(cuda, fp16, 64) == "sdpa"  # measured on sm_90, not here
+    on_a_gpu("Tesla T4", (7, 5))
+    monkeypatch.setattr(launches, "MEASURED", {**faster, ((7, 5), 64, fp16): launches.Measured(2, 3, "")})
+    assert kernels.resolve_backend(cuda, fp16, 64) == "sdpa"  # older than the kernel's minimum
+
+
+def test_the_start_up_line_says_what_auto_chose_and_why(on_a_gpu):
+    """train.py's start-up line names the backend and, where `auto` chose it on a GPU, why: the
+    measurement behind it (its GPU and date), that there is none, or why the kernel cannot run. Asked for
+    explicitly, or on a CPU, the backend alone (as every lesson's CPU runs show it)."""
+    import config
+
+    def line(precision, head_dim, asked="auto", device="cuda"):
+        cfg = config.TrainConfig(precision=precision)
+        cfg.attn = config.resolve_attention(config.TrainConfig(attn=asked, precision=precision),
+                                            torch.device(device), head_dim)
+        return config.describe_attention(cfg, asked, torch.device(device), head_dim)
+
+    assert line("fp32", 64, device="cpu") == "sdpa"
+    on_a_gpu("NVIDIA H200", (9, 0))
+    assert line("bf16", 64) == ("sdpa (auto: ours 0.70-0.76x SDPA forward+backward on sm_90, head dim 64, "
+                                "bfloat16 (H200, 2026-11-26, Triton 3.6))")
+    assert line("bf16", 128).startswith("sdpa (auto: ours 0.35-0.43x SDPA forward+backward on sm_90, head dim 128")
+    assert line("fp16", 64) == ("sdpa (auto: ours never measured on sm_90, head dim 64, float16; "
+                                "tests/bench_attention.py there would say)")
+    assert line("fp32", 64) == "sdpa (auto: the kernel computes in fp16 or bf16, not float32)"
+    assert line("bf16", 64, asked="triton") == "triton" and line("bf16", 64, asked="sdpa") == "sdpa"
 
 
 def test_triton_problem_without_triton(monkeypatch):

@@ -15,11 +15,16 @@ Two builds of each kernel reach a GPU, because Triton compiles an integer argume
 constant: GROUP_SIZE = 1 (multi-head attention: the kv-head arithmetic and the dK/dV program's loop over
 its group fold away) and GROUP_SIZE a run-time value (any grouped-query or multi-query attention).
 
+The fp8 cast (fp8_cast.py) is compiled the same way for the GPUs that multiply fp8, sm_89 (Ada) and
+sm_90 (Hopper), in each form fp8.py launches it: no spills, and its only atomics the three integer
+ones that add a program's statistics (exact in any order, so deterministic too).
+
 This must run without TRITON_INTERPRET (under the interpreter there is nothing to compile), so the
 test runs this file as a script in a clean subprocess. Run it yourself to see the resource table:
 
     python tests/test_kernels_aot.py                          # all of them (1-2 min on 2 cores)
     python tests/test_kernels_aot.py --head-dim 64 --dtype bf16  # one configuration
+    python tests/test_kernels_aot.py --cast                   # the fp8 cast
 """
 
 import argparse
@@ -113,11 +118,7 @@ def compile_one(job: tuple) -> dict:
                               options={"num_warps": warps, "num_stages": stages})
     ptx = compiled.asm["ptx"]
     arch, smem_limit, mma = TARGETS[cap]
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "k.ptx").write_text(ptx)
-        log = subprocess.run([str(ptxas), "-v", f"-arch={arch}", "k.ptx", "-o", "k.cubin"], cwd=tmp,
-                             capture_output=True, text=True, check=True).stderr
+    log = ptxas(ptx, arch)
     modes = ", ".join(mode for mode, on in (("gqa", gqa), ("full", not causal)) if on)
     label = f"{name} ({modes})" if modes else name
     return dict(kernel=label, D=D, dtype=dtype, target=arch, blocks=f"{block_m}x{block_n or '-'}",
@@ -127,6 +128,56 @@ def compile_one(job: tuple) -> dict:
                 spill_loads=int(re.search(r"(\d+) bytes spill loads", log).group(1)),
                 shared=compiled.metadata.shared, shared_limit=smem_limit,
                 tensor_cores=mma if mma in ptx else "none", atomics=len(re.findall(r"\b(?:atom|red)\.", ptx)))
+
+
+def ptxas(ptx: str, arch: str) -> str:
+    """ptxas -v's report (registers, spills) of assembling the PTX for `arch`."""
+    import triton
+
+    exe = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "k.ptx").write_text(ptx)
+        return subprocess.run([str(exe), "-v", f"-arch={arch}", "k.ptx", "-o", "k.cubin"], cwd=tmp,
+                              capture_output=True, text=True, check=True).stderr
+
+
+CAST_TARGETS = {89: ("sm_89", 101_376), 90: ("sm_90a", 232_448)}  # the GPUs that multiply fp8
+
+
+def cast_jobs() -> list[tuple]:
+    """fp8_cast's builds, as fp8.py launches them, from fp32 and bf16 inputs: the cast-transpose of x,
+    dY (e5m2) and a kept weight, a weight's codes alone and its transposed codes alone (ZeRO-3)."""
+    forms = (("e4m3", True, True), ("e5m2", True, True), ("e4m3", True, False), ("e4m3", False, True))
+    return [(cap, dtype, *form) for cap in CAST_TARGETS for dtype in ("fp32", "bf16") for form in forms]
+
+
+def compile_cast(job: tuple) -> dict:
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import fp8_cast
+
+    cap, dtype, fmt, rows, cols = job
+    fn = fp8_cast._cast_transpose
+    types = {"X": "*i16" if dtype == "bf16" else "*fp32", "Q": "*u8", "QT": "*u8", "SCALE": "*fp32",
+             "STATS": "*i64", "M": "i32", "N": "i32", "sxm": "i32", "sxn": "i32"}  # bf16: read as its bits
+    signature = {arg: types.get(arg, "constexpr") for arg in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(fn.arg_names) if types.get(arg, "")[:1] == "*"}
+    block, tiles = fp8_cast.GPU_LAUNCH
+    constexprs = dict(fp8_cast.constants({"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[fmt]),
+                      BF16_BITS=dtype == "bf16", ROWS=rows, COLS=cols, BLOCK=block, TILES=tiles)
+    compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", cap, 32),
+                              options={"num_warps": 4})
+    ptx, (arch, smem_limit) = compiled.asm["ptx"], CAST_TARGETS[cap]
+    log = ptxas(ptx, arch)
+    return dict(kernel=f"_cast_transpose ({fmt}{', rows' * rows}{', cols' * cols})", dtype=dtype, target=arch,
+                registers=int(re.search(r"Used (\d+) registers", log).group(1)),
+                spill_stores=int(re.search(r"(\d+) bytes spill stores", log).group(1)),
+                spill_loads=int(re.search(r"(\d+) bytes spill loads", log).group(1)),
+                shared=compiled.metadata.shared, shared_limit=smem_limit,
+                atomics=re.findall(r"\b(?:atom|red)\.[\w.]+", ptx))
 
 
 def compile_all(head_dims=None, dtypes=None) -> list[dict]:
@@ -146,14 +197,36 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def run_in_clean_process() -> list[dict]:
+def run_in_clean_process(*flags: str) -> list[dict]:
     """This file as a script, with the interpreter switched off. (Triton's compile cache may answer: its
     key is the kernel's source, constants, options, target and Triton version, so a hit is the same build.)"""
     with tempfile.TemporaryDirectory() as tmp:
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         out = Path(tmp) / "rows.json"
-        subprocess.run([sys.executable, __file__, "--json", str(out)], env=env, check=True, timeout=600)
+        subprocess.run([sys.executable, __file__, *flags, "--json", str(out)], env=env, check=True, timeout=600)
         return json.loads(out.read_text())
+
+
+def test_the_fp8_cast_compiles_for_sm89_and_sm90_without_spilling():
+    """Every form of fp8_cast's kernel fp8.py launches: no spills, within shared memory, and atomics only
+    where a program adds its statistics: one integer max and two integer adds (no float atomics, whose
+    order would change the bits)."""
+    rows = run_in_clean_process("--cast")
+    print("\n" + cast_table(rows))
+    assert len(rows) == len(cast_jobs()) and {r["target"] for r in rows} == {"sm_89", "sm_90a"}
+    for r in rows:
+        where = f"{r['kernel']} {r['dtype']} {r['target']}"
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, f"{where} spills registers"
+        assert r["shared"] <= r["shared_limit"], f"{where} needs {r['shared']} B of shared memory"
+        kinds = sorted(re.sub(r"\.(global|gpu|relaxed|acq_rel|sys)", "", a) for a in r["atomics"])
+        assert kinds == ["atom.add.u64", "atom.add.u64", "atom.max.s64"], f"{where}: {r['atomics']}"
+
+
+def cast_table(rows: list[dict]) -> str:
+    lines = [f"{'kernel':<34} {'dtype':<5} {'target':<6} {'regs':>4} {'smem':>6} {'spill st/ld':>11}"]
+    lines += [f"{r['kernel']:<34} {r['dtype']:<5} {r['target']:<6} {r['registers']:>4} {r['shared']:>6} "
+              f"{r['spill_stores']:>5}/{r['spill_loads']:<5}" for r in rows]
+    return "\n".join(lines)
 
 
 def test_every_shipped_config_compiles_for_sm80_and_sm90():
@@ -177,12 +250,18 @@ def main():
     parser = argparse.ArgumentParser(description="compile the shipped attention kernels for sm_80 and sm_90")
     parser.add_argument("--head-dim", type=int, action="append", help="only this head dim (repeatable)")
     parser.add_argument("--dtype", choices=("fp16", "bf16"), action="append", help="only this dtype")
+    parser.add_argument("--cast", action="store_true", help="the fp8 cast (fp8_cast.py) instead")
     parser.add_argument("--json", help="write the rows to this file instead of printing the table")
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET"):  # e.g. started from a test: compiling needs the real Triton
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         return subprocess.run([sys.executable, __file__, *sys.argv[1:]], env=env).returncode
     sys.path.insert(0, str(ROOT))
+    if args.cast:
+        with ProcessPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            rows = list(pool.map(compile_cast, cast_jobs()))
+        print(cast_table(rows)) if not args.json else Path(args.json).write_text(json.dumps(rows))
+        return 1 if any(r["spill_stores"] for r in rows) else 0
     rows = compile_all(args.head_dim, args.dtype)
     if args.json:
         Path(args.json).write_text(json.dumps(rows))
