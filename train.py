@@ -166,7 +166,7 @@ def setup(cfg: config.TrainConfig, arch: dict | None = None, init_values=None) -
     config.check_size(cfg, model_cfg, grid)
     shard.check_layout(model_cfg, grid, cfg.seq_len)
     rundir.check_out(out)
-    parallel.connect(grid, cfg.timeout)
+    parallel.connect(grid, cfg.timeout, cfg.crash_at)
     lock, run_id = rundir.claim_on_every_rank(out, cfg.fresh, grid, log)
     torch.manual_seed(cfg.seed)  # dropout's stream; the same on every rank, as tensor parallelism needs
     random.seed(cfg.seed)

@@ -27,8 +27,8 @@ foreground group, and torchrun forwards the one it got to its workers too.
 
 When a peer fails, a collective raises (gloo) or never completes (NCCL: the step's bounded wait,
 `wait_for_device`): `peer_call` and `wait_until` make either one PeerError line (train.py: exit status 3).
-And on purpose: --crash-at kills the process at a step or in the middle of a save (`crash_due`), for the
-tests and lessons that prove nothing is lost.
+And on purpose: --crash-at kills the process at a step or in the middle of a save (`crash_due`), or makes
+it hang (`stall`), for the tests and lessons that prove nothing is lost and no wait is unbounded.
 """
 
 import os
@@ -109,10 +109,15 @@ def peer_call(fn, *args, what: str = "a collective", **kwargs):
     try:
         return fn(*args, **kwargs)
     except RuntimeError as e:
-        line = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
-        line = re.sub(r"^\[[^\]]*:\d+\]\s*", "", line)  # gloo's source location, "[.../pair.cc:537] "
         rank = f"rank {dist.get_rank()}, " if dist.is_initialized() else ""
-        raise PeerError(f"{rank}in {what}", line.split(". This is typically caused")[0][:300]) from e
+        raise PeerError(f"{rank}in {what}", in_a_line(e)) from e
+
+
+def in_a_line(e: BaseException) -> str:
+    """What the backend said, as one line: its first, without gloo's source location or torch's advice."""
+    line = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+    line = re.sub(r"^\[[^\]]*:\d+\]\s*", "", line)  # gloo's source location, "[.../pair.cc:537] "
+    return line.split(". This is typically caused")[0][:300]
 
 
 def wait_until(ready, timeout_s: float, where: str, failure=lambda: None, poll_s: float = 1e-3) -> None:
@@ -157,10 +162,19 @@ def nccl_failure(grid) -> str | None:
 
 
 def crash_due(spec: str, rank: int, event: str) -> bool:
-    """Is --crash-at `spec` asking process `rank` to die at `event` ("step:N", "save:N")? A "rank:R:..." spec
-    names one rank, and only in a launcher's first attempt, so that a restarted job runs through."""
+    """Is --crash-at `spec` asking process `rank` to die at `event` ("step:N", "save:N"), or to stall there
+    ("stall:connect", "stall:GROUP": `stall`)? A "rank:R:..." spec names one rank, and only in a launcher's
+    first attempt, so that a restarted job runs through."""
     if spec.startswith("rank:"):
         _, who, spec = spec.split(":", 2)
         if int(who) != rank or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
             return False
     return spec == event
+
+
+def stall() -> None:
+    """--crash-at stall:...: this process stops answering and never exits, as a hung peer does (a deadlock,
+    a stuck link): its peers wait in the call it never joins, until --timeout. A signal during set-up still
+    stops it (`Stop`); a launcher that gives up on the job kills it."""
+    while True:
+        time.sleep(3600)

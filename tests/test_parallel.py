@@ -6,6 +6,7 @@ checkpoint is consolidated, the same final weights. The runs also print the comm
 report, whose measured bytes must equal the papers' formulas on every rank.
 """
 
+import datetime
 import functools
 import json
 import os
@@ -336,9 +337,24 @@ def test_the_step_waits_for_nccl_at_most_the_timeout_and_says_what_its_watchdog_
 
 def p2p_groups(rank: int, world: int, port: int) -> None:
     """On a pp 2 x cp 2 grid of gloo ranks: every point-to-point message goes to batch_isend_irecv with the
-    group it belongs to (the cp ring's, the pipeline's), not the world's, and arrives from the right peer."""
+    group it belongs to (the cp ring's, the pipeline's), not the world's, and arrives from the right peer.
+    And one communicator per set of ranks: dp_cp, zs and node hold the same two ranks here, and pp and embed
+    (the ring keeps its own, parallel.OWN_COMMUNICATOR): 6 new groups, where one a name made 12; each with
+    --timeout."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    grid = parallel.init_grid(tp=1, pp=2, device=torch.device("cpu"), cp=2)
+    made, new_group = [], torch.distributed.new_group
+    torch.distributed.new_group = lambda ranks, **kw: made.append((tuple(ranks), kw.get("timeout"))) or new_group(
+        ranks, **kw)
+    try:
+        grid = parallel.init_grid(tp=1, pp=2, device=torch.device("cpu"), cp=2, timeout_s=77)
+    finally:
+        torch.distributed.new_group = new_group
+    assert sorted(made) == [((r, s), datetime.timedelta(seconds=77)) for r, s in ((0, 1), (0, 1), (0, 2), (1, 3),
+                                                                                 (2, 3), (2, 3))], made
+    assert grid.groups["zs"] is grid.groups["node"] is grid.groups["dp_cp"] is not grid.groups["cp"]
+    assert grid.groups["embed"] is grid.groups["pp"] and "dp" not in grid.groups
+    assert grid.members["dp_cp"] == grid.members["cp"] and grid.describe("all_reduce", "dp_cp").endswith(
+        f"over dp_cp (ranks {', '.join(map(str, grid.members['cp']))})")
     assert None not in (grid.groups["cp"], grid.groups["pp"])  # groups of 2 of the 4 ranks, not the world's
     seen, batch = [], torch.distributed.batch_isend_irecv
     torch.distributed.batch_isend_irecv = lambda ops: seen.append([op.group for op in ops]) or batch(ops)
