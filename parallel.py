@@ -41,12 +41,13 @@ there, and nothing here imports one.
 
 When a peer fails. gloo's calls return when the data has moved, and raise when a peer is gone or
 --timeout passes: `peer_call` (support/interrupt.py) makes that one PeerError line (train.py: exit
-status 3). Every group waits --timeout, not only the world's (`join` gives it to each), and a peer that
-never joins is the same line (`connect`). NCCL's calls
+status 3). Every group waits --timeout, not only the world's (`join` gives it to each), and a
+peer that never joins is the same line (`connect`). NCCL's calls
 return as soon as the GPU has the work, so nothing raises; its watchdog thread ends a collective that
 outlived --timeout and aborts its communicator (`connect` tells it not to end the process too), and
-the loop's one wait for the device per step, `Grid.wait_for_device`, is bounded and reads what the
-watchdog found, for the same PeerError.
+every read of a collective's result by the host (`interrupt.host_read`: the loop's one read a
+step, `Grid.agree`) waits for the device bounded (`Grid.wait_for_device`) and reads what the
+watchdog found before it trusts the value, for the same PeerError.
 
 The other parallel questions live beside it: shard.py (Megatron's tensor-parallel layers, and a
 rank's part of the model), context.py (a sequence split over ranks), pipeline.py (schedules and the
@@ -278,7 +279,7 @@ class Grid:
             return ok
         flag = torch.tensor([0.0 if ok else 1.0], device=self.device)
         self.all_reduce(flag, "world")
-        return flag.item() == 0
+        return interrupt.host_read(self, flag, "agreeing with every rank (over world)") == [0]
 
     def rank0_first(self, fn):
         """Run fn on rank 0, then on the others (e.g. prepare data once, then read the cache)."""

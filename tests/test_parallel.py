@@ -335,6 +335,55 @@ def test_the_step_waits_for_nccl_at_most_the_timeout_and_says_what_its_watchdog_
     grid.wait_for_device()  # on a CPU (gloo: its calls raise themselves) there is nothing to wait for
 
 
+class NcclGroup:
+    """A stand-in for a group on NCCL: what its backend's get_error() says (SUCCESS, or what the watchdog
+    found: TIMEOUT when it aborted a collective that outlived --timeout)."""
+
+    def __init__(self, error: str = "SUCCESS"):
+        self.error = error
+
+    def _get_backend(self, device):
+        return type("Backend", (), {"get_error": lambda _: type("ErrorType", (), {"name": self.error})()})()
+
+
+def test_a_host_read_waits_for_nccl_at_most_the_timeout_and_never_trusts_a_failed_collective(monkeypatch):
+    """`interrupt.host_read`, every read of a collective's result by the host mid-run (the step's numbers,
+    Grid.agree, the evaluation's loss, a sample): on NCCL an aborted all-reduce lets the device pass it with
+    the buffer as it was, this rank's own value, and a plain read would carry on with it. The read waits for
+    the device at most --timeout (and a grace), then asks NCCL before it trusts the value. Stand-ins for a
+    CUDA grid's event (the device is done, or never) and for its groups' reports."""
+    done = [True]
+    monkeypatch.setattr(torch.cuda, "Event", lambda: type("Event", (), {"record": lambda _: None,
+                                                                         "query": lambda _: done[0]})())
+    monkeypatch.setattr(interrupt, "NCCL_GRACE_S", 0.0)
+    group = NcclGroup()
+    grid = parallel.Grid(dp=2, rank=1, device=torch.device("cuda"), groups={"dp_cp": group},
+                         members={"dp_cp": (0, 1)}, timeout_s=0.2)
+    mine = torch.tensor([1.0])  # what an aborted all-reduce leaves: this rank's own flag
+    assert interrupt.host_read(grid, mine, "agreeing") == [1.0] and interrupt.host_read(grid, mine[0], "x") == [1.0]
+    group.error = "TIMEOUT"  # the device passed the collective because the watchdog aborted it
+    with pytest.raises(interrupt.PeerError) as e:
+        interrupt.host_read(grid, mine, "agreeing with every rank")
+    assert str(e.value) == "rank 1, agreeing with every rank: NCCL reports TIMEOUT in a collective over dp (ranks 0, 1)"
+    group.error, done[0] = "SUCCESS", False  # a peer hangs, and the watchdog has not said so yet
+    with pytest.raises(interrupt.PeerError, match=r"rank 1, reading: not done after 0\.2 s \(--timeout\)"):
+        interrupt.host_read(grid, mine, "reading")
+
+
+def test_grid_agree_reads_through_the_bounded_host_read(monkeypatch):
+    """Grid.agree (a save, the run directory's checks) reads its all-reduce with host_read: where NCCL
+    reports the collective failed, a PeerError instead of this rank's own answer taken for every rank's."""
+    grid = parallel.Grid(dp=2, rank=1)
+    grid.all_reduce = lambda *args, **kwargs: None  # aborted: the flag stays this rank's own
+    assert grid.agree(True)
+
+    def failed(grid, what):
+        raise interrupt.PeerError(f"rank {grid.rank}, {what}", "NCCL reports TIMEOUT in a collective over world")
+    monkeypatch.setattr(interrupt, "wait_for_device", failed)
+    with pytest.raises(interrupt.PeerError, match="rank 1, agreeing with every rank"):
+        grid.agree(True)
+
+
 def p2p_groups(rank: int, world: int, port: int) -> None:
     """On a pp 2 x cp 2 grid of gloo ranks: every point-to-point message goes to batch_isend_irecv with the
     group it belongs to (the cp ring's, the pipeline's), not the world's, and arrives from the right peer.
