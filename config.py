@@ -32,7 +32,9 @@ from support.sources import SOURCE_HELP
 CACHE_DIR = str(tokenizer.DEFAULT_CACHE_DIR)
 DATA_HELP = "corpus: " + SOURCE_HELP
 STATS_EVERY = 10  # --stats-every's default (a run without instruments/ takes it as "none asked for")
-CRASH_AT = re.compile(r"(rank:\d+:)?(step|save):\d+")
+# (stall: in joining the others, or in the first collective over a group: parallel.py's names)
+CRASH_AT = re.compile(r"(rank:\d+:)?((step|save):\d+"
+                      r"|stall:(connect|world|tp|cp|dp_cp|pp|embed|ep|edp|zs|zr|node|nodes))")
 MAX_TIMEOUT_S = 1e9  # torch.distributed keeps its timeout in a timedelta (at most ~8.6e13 s): 1e300 overflows
 MAX_SAMPLE_TOKENS = 100_000  # drawn one at a time at every evaluation: more is a mistake, not a sample
 
@@ -194,10 +196,14 @@ class TrainConfig:
                               "saved activations of the first step, next to ZeRO's formulas and the --arch's "
                               "activation model (and Korthikanti et al.'s, for GPT-2)")
 
-    crash_at: str = arg("", "'step:N' SIGKILLs the process after step N, 'save:N' in the middle of the save at "
-                        "step N, 'rank:R:step:N' only rank R (only in a launcher's first attempt, so a restarted "
-                        "job runs through)", (lambda v: v == "" or CRASH_AT.fullmatch(v), "must look like step:N, "
-                        "save:N or rank:R:step:N"), group="fault injection (for tests and lessons)", shown="off")
+    crash_at: str = arg("", "'step:N' SIGKILLs the process after step N, 'save:N' in the "
+                        "middle of the save at step N; 'stall:connect' hangs it (alive, silent) "
+                        "before it joins the others, 'stall:tp' in its first collective over tp "
+                        "(or another group); 'rank:R:...' only rank R (only in a launcher's first "
+                        "attempt, so a restarted job runs through)",
+                        (lambda v: v == "" or CRASH_AT.fullmatch(v), "must look like step:N, "
+                         "save:N, stall:connect, stall:GROUP or rank:R:step:N"),
+                        group="fault injection (for tests and lessons)", shown="off")
     poison_step: int = arg(-1, "replace batch N (the one step N + 1 draws) with one rare token repeated",
                            at_least(-1), shown="-1: off")
 

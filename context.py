@@ -149,9 +149,13 @@ class SequenceChoices:
 # ----------------------------------------------------------------------------- attention on one block
 
 
-# Off the kernel, a block's scores are made a chunk of query rows at a time (`query_chunks`): memory of
-# one chunk of fp32 scores, however long the sequence, instead of the whole (T/cp)^2 block at once
+# Off the kernel, a block's scores are made a chunk of query rows (and heads) at a time
+# (`query_chunks`): memory of one chunk of fp32 scores, however long the sequence, instead of the
+# whole (T/cp)^2 block at once. A chunk keeps CHUNK_ROWS rows, with fewer heads as the keys grow:
+# each matmul reads all of its heads' keys for its rows, so a few rows a chunk would read them again
+# and again for little work (at 64k keys and 12 heads, all heads would leave 21 rows a chunk).
 SCORE_CHUNK_BYTES = 64 * 2**20
+CHUNK_ROWS = 128
 
 
 def block_attention(q, k, v, causal: bool, kernel: bool):
@@ -168,10 +172,10 @@ def block_attention(q, k, v, causal: bool, kernel: bool):
         wide = torch.promote_types(q.dtype, torch.float32)  # fp32 (fp64 for fp64 inputs)
         out = q.new_empty(q.shape, dtype=wide)
         lse = q.new_empty(q.shape[:-1], dtype=wide)
-        for rows, keys in query_chunks(q, k, causal):
-            s = scores(q[:, :, rows], k[:, :, keys], causal, rows.start)  # (B, H, rows, keys)
-            lse[:, :, rows] = s.logsumexp(-1)
-            out[:, :, rows] = torch.exp(s - lse[:, :, rows, None]) @ v[:, :, keys].to(wide)
+        for h, rows, keys in query_chunks(q, k, causal):
+            s = scores(q[:, h, rows], k[:, h, keys], causal, rows.start)  # (B, h, rows, Tk)
+            lse[:, h, rows] = s.logsumexp(-1)
+            out[:, h, rows] = torch.exp(s - lse[:, h, rows, None]) @ v[:, h, keys].to(wide)
         return out, lse
 
 
@@ -187,14 +191,16 @@ def block_attention_backward(q, k, v, out, lse, dout, causal: bool, kernel: bool
     with torch.autocast(q.device.type, enabled=False):  # fp32, as the forward, whatever the caller's autocast
         q, k, v, out, dout = (x.to(lse.dtype) for x in (q, k, v, out, dout))
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        for rows, keys in query_chunks(q, k, causal):
-            qc, kc, vc, oc, doc = q[:, :, rows], k[:, :, keys], v[:, :, keys], out[:, :, rows], dout[:, :, rows]
-            p = torch.exp(scores(qc, kc, causal, rows.start) - lse[:, :, rows, None])  # (B, H, rows, keys)
+        for h, rows, keys in query_chunks(q, k, causal):
+            qc, kc, vc = q[:, h, rows], k[:, h, keys], v[:, h, keys]
+            oc, doc = out[:, h, rows], dout[:, h, rows]
+            s = scores(qc, kc, causal, rows.start)  # (B, h, rows, Tk)
+            p = torch.exp(s - lse[:, h, rows, None])
             delta = (doc * oc).sum(-1, keepdim=True)  # rowsum(dO * O) = rowsum(P * dP)
             ds = p * (doc @ vc.transpose(-2, -1) - delta) / math.sqrt(q.size(-1))  # dS, times the scores' scale
-            dq[:, :, rows] = ds @ kc
-            dk[:, :, keys] += ds.transpose(-2, -1) @ qc
-            dv[:, :, keys] += p.transpose(-2, -1) @ doc
+            dq[:, h, rows] = ds @ kc
+            dk[:, h, keys] += ds.transpose(-2, -1) @ qc
+            dv[:, h, keys] += p.transpose(-2, -1) @ doc
         G = q.size(1) // H_kv  # GQA: a kv head's gradient is the sum over its group's query heads
         return dq, dk.unflatten(1, (H_kv, G)).sum(2), dv.unflatten(1, (H_kv, G)).sum(2)
 
@@ -205,13 +211,19 @@ def repeat_kv(x: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def query_chunks(q, k, causal: bool):
-    """(rows of queries, keys they see) in chunks of rows whose fp32 scores take about SCORE_CHUNK_BYTES.
-    Under the causal mask the rows [a, b) see only keys [0, b)."""
+    """(heads, rows of queries, keys they see) in chunks whose fp32 scores take about
+    SCORE_CHUNK_BYTES: every head and as many rows as fit; where that is fewer than CHUNK_ROWS rows
+    (long keys), CHUNK_ROWS rows (or all, if fewer) of as many heads as fit; and where not even one
+    head's fit, as many rows as do. Under the causal mask the rows [a, b) see only keys [0, b)."""
     B, H, Tq, _ = q.shape
-    n = max(1, SCORE_CHUNK_BYTES // (B * H * k.size(2) * 4))
-    for a in range(0, Tq, n):
-        rows = slice(a, min(a + n, Tq))
-        yield rows, slice(0, rows.stop) if causal else slice(None)
+    row = B * k.size(2) * 4  # the bytes of one row of one head's scores
+    n = max(1, min(Tq, max(CHUNK_ROWS, SCORE_CHUNK_BYTES // (row * H)), SCORE_CHUNK_BYTES // row))
+    h = max(1, min(H, SCORE_CHUNK_BYTES // (row * n)))
+    for first in range(0, H, h):
+        for a in range(0, Tq, n):
+            rows = slice(a, min(a + n, Tq))
+            keys = slice(0, rows.stop) if causal else slice(None)
+            yield slice(first, min(first + h, H)), rows, keys
 
 
 def scores(q, k, causal: bool, first_row: int = 0) -> torch.Tensor:

@@ -28,7 +28,9 @@ pipeline neighbours, whether the sequence is sharded (`sp`, `cp`), which replica
 Nothing else computes ranks. Every collective goes through it too, in one wrapper that counts the
 bytes (`Traffic`: --comm-report holds them to the papers' formulas); a point-to-point message goes over
 its own group (the pipeline's, the cp ring's), which on NCCL is its own communicator and stream, so a
-ring's messages overlap a pipeline's.
+ring's messages overlap a pipeline's. Names that hold the same ranks share one communicator
+(dp_cp, zs and node often do; pp and embed at pp 2), but the ring's and the experts'
+(`communicators`).
 
 The instruments' seam. `Grid.observer` (support/observer.py) is an object of methods that do nothing,
 called at named points of a step: by Grid's wrapper around each collective, and by the loop (train.py) at
@@ -39,11 +41,13 @@ there, and nothing here imports one.
 
 When a peer fails. gloo's calls return when the data has moved, and raise when a peer is gone or
 --timeout passes: `peer_call` (support/interrupt.py) makes that one PeerError line (train.py: exit
-status 3). NCCL's calls
+status 3). Every group waits --timeout, not only the world's (`join` gives it to each), and a
+peer that never joins is the same line (`connect`). NCCL's calls
 return as soon as the GPU has the work, so nothing raises; its watchdog thread ends a collective that
 outlived --timeout and aborts its communicator (`connect` tells it not to end the process too), and
-the loop's one wait for the device per step, `Grid.wait_for_device`, is bounded and reads what the
-watchdog found, for the same PeerError.
+every read of a collective's result by the host (`interrupt.host_read`: the loop's one read a
+step, `Grid.agree`) waits for the device bounded (`Grid.wait_for_device`) and reads what the
+watchdog found before it trusts the value, for the same PeerError.
 
 The other parallel questions live beside it: shard.py (Megatron's tensor-parallel layers, and a
 rank's part of the model), context.py (a sequence split over ranks), pipeline.py (schedules and the
@@ -62,6 +66,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from support import interrupt
 from support.devices import LayoutError, local_gpu  # (LayoutError: raised here too; caught as parallel.*)
 from support.interrupt import peer_call, wait_for_device
 from support.observer import Observer
@@ -111,6 +116,7 @@ class Grid:
     traffic: Traffic = field(default_factory=Traffic)  # this step's bytes, counted (--comm-report)
     observer: Observer = field(default_factory=Observer)  # the instruments, when a run attaches them
     timeout_s: float = 300.0  # --timeout: how long a collective may wait for a peer (connect sets it)
+    crash_at: str = ""  # --crash-at, for its stalls (interrupt.stall; connect sets it)
     key: int = field(init=False, repr=False, compare=False)  # names this grid to the tp_collective operator
 
     def __post_init__(self):
@@ -273,7 +279,7 @@ class Grid:
             return ok
         flag = torch.tensor([0.0 if ok else 1.0], device=self.device)
         self.all_reduce(flag, "world")
-        return flag.item() == 0
+        return interrupt.host_read(self, flag, "agreeing with every rank (over world)") == [0]
 
     def rank0_first(self, fn):
         """Run fn on rank 0, then on the others (e.g. prepare data once, then read the cache)."""
@@ -302,6 +308,8 @@ class Grid:
         """The one wrapper: count the call's bytes, let the observer see it, make it (a failure is a
         PeerError line). Returns the call's handle (async_op) or None."""
         self.traffic.add(name, self.label(group), nbytes)
+        if self.crash_at and interrupt.crash_due(self.crash_at, self.rank, f"stall:{group}"):
+            interrupt.stall()  # (fault injection: this rank never joins the call)
         start = lambda: peer_call(call, *args, group=self.groups.get(group), what=self.describe(name, group), **kwargs)
         return self.observer.collective(name, self.label(group), self.members[group], nbytes, start)
 
@@ -441,16 +449,31 @@ def check_nodes(dp_cp: int, tp: int, zero_shard: int, gpus_per_node: int) -> Non
                           f"their {dp_cp}")
 
 
-def connect(grid: Grid, timeout_s: float = 300) -> None:
-    """Join the process group that torchrun describes (none for one process) and build the tp / cp / dp /
-    dp_cp / pp groups. Every rank creates every group in the same order, as new_group requires."""
-    world, rank, tp, pp, cp = grid.world, grid.rank, grid.tp, grid.pp, grid.cp
-    grid.timeout_s = timeout_s
-    if world == 1:
+def connect(grid: Grid, timeout_s: float = 300, crash_at: str = "") -> None:
+    """Join the process group that torchrun describes (none for one process) and build the
+    groups (`join`). A peer that does not come within --timeout is one PeerError line, as a peer
+    that fails in training is."""
+    grid.timeout_s, grid.crash_at = timeout_s, crash_at
+    if grid.world == 1:
         return
+    if interrupt.crash_due(crash_at, grid.rank, "stall:connect"):
+        interrupt.stall()  # (fault injection: a peer that hangs before it joins)
+    try:
+        join(grid, timedelta(seconds=timeout_s))
+    except dist.DistError as e:  # (DistStoreError: a rank that never came, or hangs in its set-up)
+        at = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        where = f"rank {grid.rank}, joining the {grid.world} processes of the job (at {at})"
+        raise interrupt.PeerError(where, interrupt.in_a_line(e)) from e
+
+
+def join(grid: Grid, timeout: timedelta) -> None:
+    """The process group, then every group of `group_layouts`: every rank creates every group in
+    the same order, as new_group requires, each with --timeout (new_group's default is torch's own:
+    30 minutes on gloo, 10 on NCCL), one communicator for names that hold the same ranks."""
+    world, rank = grid.world, grid.rank
     # A launcher that restarts the job (torchrun --max-restarts) keeps its key-value store; keys
     # from the dead attempt would point new groups at dead peers, so each attempt gets a prefix.
-    store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timedelta(seconds=timeout_s)))
+    store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     nccl = grid.device.type == "cuda"
     if nccl:  # read when the process group is made. On a collective that outlives --timeout (or a NCCL error)
@@ -462,7 +485,26 @@ def connect(grid: Grid, timeout_s: float = 300) -> None:
     # group's first call may be point-to-point between two of its ranks (batch_isend_irecv requires that)
     dist.init_process_group("nccl" if nccl else "gloo", rank=rank, world_size=world,
                             store=dist.PrefixStore(f"nanoscale/attempt{attempt}", store),
-                            timeout=timedelta(seconds=timeout_s), device_id=grid.device if nccl else None)
+                            timeout=timeout, device_id=grid.device if nccl else None)
+    made = {}  # key -> its communicator
+    for name, ranks, key in communicators(group_layouts(grid)):
+        if key is not None and key not in made:
+            made[key] = dist.new_group(list(ranks), timeout=timeout)
+        if rank not in ranks:
+            grid.members.setdefault(name, ())  # (embed: a middle pipeline stage is in none)
+            continue
+        grid.members[name] = ranks
+        if len(ranks) == world:
+            grid.groups[name] = None  # the default group already is this group
+        elif key is not None:
+            grid.groups[name] = made[key]
+
+
+def group_layouts(grid: Grid) -> dict[str, torch.Tensor]:
+    """Every group of each name, a row of global ranks each: tp, cp, dp, dp_cp, pp; zs / zr and
+    node / nodes (groups of consecutive dp x cp ranks, and the same place in each); ep / edp with
+    experts; embed (the first and the last stage) with a pipeline; world."""
+    world, tp, pp, cp = grid.world, grid.tp, grid.pp, grid.cp
     ids = torch.arange(world).view(pp, grid.dp, cp, tp)  # ids[pp_rank, dp_rank, cp_rank, tp_rank] = rank
     layouts = {"tp": ids.reshape(-1, tp), "cp": ids.permute(0, 1, 3, 2).reshape(-1, cp),
                "dp": ids.permute(0, 2, 3, 1).reshape(-1, grid.dp),
@@ -479,15 +521,29 @@ def connect(grid: Grid, timeout_s: float = 300) -> None:
     if pp > 1:  # the first and last stage both hold the tied embedding
         layouts["embed"] = torch.stack([ids[0], ids[-1]], dim=-1).reshape(-1, 2)
     layouts["world"] = ids.reshape(1, world)
-    for name, members in layouts.items():
-        grid.members[name] = tuple(next((r for r in members.tolist() if rank in r), ()))
-        if members.size(1) == world:
-            grid.groups[name] = None  # the default group already is this group
-            continue
-        for ranks in members.tolist() if members.size(1) > 1 else []:  # size-1 groups never talk
-            group = dist.new_group(ranks)
-            if rank in ranks:
-                grid.groups[name] = group
+    return layouts
+
+
+# A communicator of their own, even where another name holds the same ranks (cp and dp_cp at dp 1,
+# ep and dp_cp when ep is all of dp): on NCCL a communicator is one stream, and the forward and the
+# backward wait for the ring's messages and the experts' all-to-alls, which must not queue behind
+# the gradient buckets' reductions that run beside the backward.
+OWN_COMMUNICATOR = ("cp", "ep")
+
+
+def communicators(layouts: dict[str, torch.Tensor]) -> list[tuple[str, tuple, tuple | None]]:
+    """(name, ranks, key) for every group of every name, in one order on every rank. Groups of one
+    key are one communicator (new_group makes a new one at every call: on NCCL, GPU memory and a
+    stream each): the key is the ranks, so that dp_cp, zs and node are one where they hold the same
+    ranks, as are pp and embed at pp 2. None: no communicator of its own (the world's group, one
+    rank's, and dp's, which never talks: gradients meet over dp_cp, the same ranks without cp)."""
+    world, out = layouts["world"].size(1), []
+    for name, rows in layouts.items():
+        for ranks in map(tuple, rows.tolist()):
+            own = 1 < len(ranks) < world and name != "dp"
+            key = (ranks, name if name in OWN_COMMUNICATOR else "") if own else None
+            out.append((name, ranks, key))
+    return out
 
 
 def shutdown() -> None:

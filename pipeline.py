@@ -487,7 +487,9 @@ class StageLogits:
             if before is None:
                 x = model.embed(tokens, start)
             else:
-                x = torch.empty(*tokens.shape, model.config.n_embd, dtype=self.dtype, device=tokens.device)
+                # zeros: a failed receive must not hand sampling garbage (NaN) before the read
+                x = torch.zeros(*tokens.shape, model.config.n_embd, dtype=self.dtype,
+                                device=tokens.device)
                 grid.send_recv([], [(x, grid.stage_rank(before))])
             y = model.blocks(x, caches, which)
             if after is not None:

@@ -260,8 +260,8 @@ class GatherVocab(torch.nn.Module):
         super().__init__()
         self.grid = grid
 
-    def forward(self, x):
-        out = x.new_empty((self.grid.tp * x.size(0), *x.shape[1:]))  # (tp * B, V/tp): ranks stacked on dim 0
+    def forward(self, x):  # zeros: a failed gather must not hand sampling garbage before the read
+        out = x.new_zeros((self.grid.tp * x.size(0), *x.shape[1:]))  # (tp * B, V/tp), by rank
         self.grid.all_gather(out, x.contiguous(), "tp")
         return torch.cat(out.chunk(self.grid.tp), dim=-1)
 

@@ -166,7 +166,7 @@ def setup(cfg: config.TrainConfig, arch: dict | None = None, init_values=None) -
     config.check_size(cfg, model_cfg, grid)
     shard.check_layout(model_cfg, grid, cfg.seq_len)
     rundir.check_out(out)
-    parallel.connect(grid, cfg.timeout)
+    parallel.connect(grid, cfg.timeout, cfg.crash_at)
     lock, run_id = rundir.claim_on_every_rank(out, cfg.fresh, grid, log)
     torch.manual_seed(cfg.seed)  # dropout's stream; the same on every rank, as tensor parallelism needs
     random.seed(cfg.seed)
@@ -290,12 +290,13 @@ def accumulate(run: Run, micro: list[torch.Tensor], train: bool, scale: float = 
     return total
 
 
-def train_step(run: Run) -> dict:
+def train_step(run: Run, stop: interrupt.Stop | None = None) -> dict:
     """One optimizer step. The update is dropped when the loss or gradients are not finite
     (`skipped`) or the loss is a spike (`spike`: the caller rolls back). That is decided on the device,
     and the optimizer skips there (its `found_inf`): the host reads the step's numbers once, after the
     update is queued, so a GPU never idles mid-step waiting for the host to decide."""
     cfg, lr = run.cfg, stability.lr_at(run.step, run.cfg)
+    asked = [stop.share(run.grid)] if stop else []  # every rank's stop signal, reduced meanwhile
     run.grid.traffic.reset()  # count this step's bytes only
     run.grid.observer.step_begin(run.step + 1)
     batch_number, batch = next_batch(run)
@@ -317,11 +318,12 @@ def train_step(run: Run) -> dict:
     with run.grid.observer.span("O"):
         run.opt.step()
     overflow = fp8.end_step(run.model, run.grid, cfg.fp8_recipe)  # fp8: [saturated elements] (else [])
+    numbers = [loss, norm, finite_loss, finite, spike, *router, *overflow, *(a() for a in asked)]
     # the step's one read of the device, once the update is queued (on NCCL a bounded wait: a dead peer is exit 3)
-    run.grid.wait_for_device()
-    numbers = torch.stack([loss, norm, finite_loss, finite, spike, *router, *overflow])  # experts: aux, z, dropped
-    loss, norm, finite_loss, finite, spike, *extra = numbers.tolist()
-    router, overflow = extra[:len(router)], extra[len(router):]
+    loss, norm, finite_loss, finite, spike, *extra = interrupt.host_read(
+        run.grid, torch.stack(numbers), "waiting for the GPU to finish the step's collectives")
+    signum = int(extra.pop()) if asked else 0  # (the stop signal: 0, none)
+    router, overflow = extra[:len(router)], extra[len(router):]  # experts: aux, z, dropped
     updated = finite_loss and finite and not spike
     if updated:
         run.guard.record(loss)
@@ -336,7 +338,7 @@ def train_step(run: Run) -> dict:
     bad = not finite_loss or (not finite and not run.scaler.enabled)
     return {"step": run.step + 1, "loss": loss, "lr": lr, "grad_norm": norm,
             "skipped": not (finite_loss and finite), "bad": bad, "spike": bool(spike), "batch": batch_number,
-            **dict(zip(("moe_aux", "moe_z", "moe_dropped"), router)),
+            "signal": signum, **dict(zip(("moe_aux", "moe_z", "moe_dropped"), router)),
             **({"fp8_overflow": int(overflow[0])} if overflow else {})}
 
 
@@ -358,9 +360,8 @@ def evaluate(run: Run) -> float:
     with cast_once(run):  # the weights do not change: one cast for all batches
         losses = [global_loss(run.grid, accumulate(run, batch.to(run.device).split(run.cfg.micro_batch_size),
                                                    train=False)) for batch in run.val]
-    run.grid.wait_for_device()
     run.model.train()
-    return torch.stack(losses).mean().item()
+    return interrupt.host_read(run.grid, torch.stack(losses).mean(), "reading the eval loss")[0]
 
 
 @torch.no_grad()
@@ -373,7 +374,7 @@ def sample(run: Run, n_tokens: int) -> str:
     with run.autocast, torch.compiler.set_stance("force_eager"):
         out = pipeline.generate(run.model, run.grid, start, n_tokens, temperature=0.8, top_k=50, generator=gen)
     run.model.train()
-    return run.tok.decode(out[0, 1:].tolist())
+    return run.tok.decode(interrupt.host_read(run.grid, out[0, 1:], "reading a sample"))
 
 
 def save(run: Run, skippable: bool = False) -> bool:
@@ -436,12 +437,13 @@ def train(run: Run, stop: interrupt.Stop) -> dict:
         try:
             stop.deferred = True  # from here a signal is answered between two steps
             while run.step < cfg.max_steps:
-                if stopped := stop.agreed(grid):
+                if stopped:  # the same on every rank: read with the last step's numbers
                     if run.saved_step != run.step:
                         save(run)
                     break
                 t0 = time.perf_counter()
-                row = train_step(run)
+                row = train_step(run, stop)
+                stopped = row.pop("signal") if row["step"] < cfg.max_steps else 0
                 if row.pop("spike"):
                     roll_back(run, row, bar)
                     bar.n = run.step

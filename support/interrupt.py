@@ -6,15 +6,19 @@ into a KeyboardInterrupt wherever the program happens to be: either way the step
 checkpoint are lost (with the default, no periodic checkpoints, all of them). Instead:
 
     signal ──▶ handler: note it; the step in flight runs on
-    top of the next step ──▶ every rank: all-reduce(max) of the noted signal ──▶ all stop at the same step
+    top of the next step ──▶ every rank: all-reduce(max) of the noted signal, launched (`share`)
+    end of that step ──▶ read with the step's numbers ──▶ every rank stops after that same step
     stop ──▶ a checkpoint of that step, the writer drained ──▶ one line, exit 128 + signal (130, 143)
 
 Under torchrun the signal reaches the ranks at different moments (torchrun passes it to each worker in
 turn; a scheduler may signal one process only), so a rank's own flag cannot decide: a rank that stops
-alone leaves the others waiting in the next collective. The all-reduce at the top of every step turns
-"some rank was signalled" into one step that every rank stops after, and the checkpoint saved there is
-consistent. (One 4-byte all-reduce a step: nothing next to a step's gradient traffic.) torchrun gives
-its workers 30 s after forwarding a signal, then kills them: a step and a save must fit in that.
+alone leaves the others waiting in the next collective. The all-reduce launched at the top of every step
+turns "some rank was signalled" into one step that every rank stops after, and the checkpoint saved there
+is consistent. (One 4-byte all-reduce a step: nothing next to a step's gradient traffic. It is not waited
+for at the top: its value is read with the step's own numbers, the loop's one read of the device a step,
+so the GPU never idles at a step boundary for it; the price is that the run stops after the first step
+that starts after the signal, not the one in flight.) torchrun gives its workers 30 s after forwarding a
+signal, then kills them: two steps and a save must fit in that.
 
 Before training starts (set-up, data preparation) there is nothing to save, and preparation resumes
 where it stopped: a signal stops at once, with one line. After the last step the run is finishing
@@ -26,10 +30,11 @@ repeat within REPEAT_S is the same Ctrl-C arriving twice: the terminal signals e
 foreground group, and torchrun forwards the one it got to its workers too.
 
 When a peer fails, a collective raises (gloo) or never completes (NCCL: the step's bounded wait,
-`wait_for_device`, and each read of a collective's result mid-step, `host_read`): `peer_call` and
-`wait_until` make either one PeerError line (train.py: exit status 3).
-And on purpose: --crash-at kills the process at a step or in the middle of a save (`crash_due`), for the
-tests and lessons that prove nothing is lost.
+`wait_for_device`): `peer_call` and `wait_until` make either one PeerError line (train.py: exit status 3).
+Every read of a collective's result by the host mid-run goes through `host_read`, which on NCCL waits
+that bounded way and checks what NCCL found before it trusts the value.
+And on purpose: --crash-at kills the process at a step or in the middle of a save (`crash_due`), or makes
+it hang (`stall`), for the tests and lessons that prove nothing is lost and no wait is unbounded.
 """
 
 import os
@@ -37,6 +42,7 @@ import re
 import signal
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -82,14 +88,19 @@ class Stop:
         if not self.deferred:
             raise Stopped(signum)
 
-    def agreed(self, grid) -> int:
-        """The signal every rank stops for (the largest any rank noted), or 0 to go on. Collective:
-        every rank calls it at the same point of every step."""
-        if grid.world == 1:
-            return self.signum
-        flag = torch.tensor([float(self.signum)], device=grid.device)
-        grid.all_reduce(flag, "world", op=dist.ReduceOp.MAX)
-        return int(flag.item())
+    def share(self, grid) -> Callable[[], torch.Tensor]:
+        """Start agreeing on the signal every rank stops for (the largest any rank noted so far; 0: none):
+        an all-reduce (max) over every rank, launched now and not waited for. Returns what gives the
+        agreed value, a 0-d tensor on the device, for the step to read with its own numbers. Collective:
+        every rank calls it at the same point of every step (the top)."""
+        flag = torch.full((), float(self.signum), device=grid.device)  # (a fill: no copy, no sync)
+        work = grid.all_reduce(flag, "world", op=dist.ReduceOp.MAX, async_op=True)
+
+        def agreed() -> torch.Tensor:
+            if work is not None:
+                peer_call(work.wait, what=grid.describe("the stop signal's all_reduce", "world"))
+            return flag
+        return agreed
 
 
 # ----------------------------------------------------------------------------- when a peer fails
@@ -110,10 +121,15 @@ def peer_call(fn, *args, what: str = "a collective", **kwargs):
     try:
         return fn(*args, **kwargs)
     except RuntimeError as e:
-        line = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
-        line = re.sub(r"^\[[^\]]*:\d+\]\s*", "", line)  # gloo's source location, "[.../pair.cc:537] "
         rank = f"rank {dist.get_rank()}, " if dist.is_initialized() else ""
-        raise PeerError(f"{rank}in {what}", line.split(". This is typically caused")[0][:300]) from e
+        raise PeerError(f"{rank}in {what}", in_a_line(e)) from e
+
+
+def in_a_line(e: BaseException) -> str:
+    """What the backend said, as one line: its first, without gloo's source location or torch's advice."""
+    line = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+    line = re.sub(r"^\[[^\]]*:\d+\]\s*", "", line)  # gloo's source location, "[.../pair.cc:537] "
+    return line.split(". This is typically caused")[0][:300]
 
 
 def wait_until(ready, timeout_s: float, where: str, failure=lambda: None, poll_s: float = 1e-3) -> None:
@@ -133,7 +149,7 @@ def wait_until(ready, timeout_s: float, where: str, failure=lambda: None, poll_s
 NCCL_GRACE_S = 30.0
 
 
-def wait_for_device(grid) -> None:
+def wait_for_device(grid, what: str = "waiting for the GPU to finish the step's collectives") -> None:
     """The step's sync point, bounded (parallel.Grid.wait_for_device). NCCL calls return before the GPU has
     done them, so a dead or hung peer shows only where the host waits for the device (an `.item()`), and
     there it would wait until NCCL's watchdog ends the collective after --timeout. Wait here instead, at
@@ -143,20 +159,19 @@ def wait_for_device(grid) -> None:
         return
     done = torch.cuda.Event()
     done.record()  # after everything this step queued, its collectives' waits included
-    wait_until(done.query, grid.timeout_s + NCCL_GRACE_S, f"rank {grid.rank}, waiting for the GPU to finish "
-               "the step's collectives", failure=lambda: nccl_failure(grid))
+    wait_until(done.query, grid.timeout_s + NCCL_GRACE_S, f"rank {grid.rank}, {what}",
+               failure=lambda: nccl_failure(grid))
 
 
 def host_read(grid, t: torch.Tensor, what: str) -> list:
-    """t.tolist(), bounded as the step's sync point is: on NCCL a read of what a collective produced (the split
-    sizes of an all-to-all) waits at most --timeout and a grace, and a collective NCCL reports failed is a
-    PeerError `what` (say the rank), not its garbage read as numbers. On gloo (its calls raise themselves)
-    or alone, the plain read."""
-    if grid.device.type == "cuda" and grid.world > 1:
-        done = torch.cuda.Event()
-        done.record()  # after the collectives that made t
-        wait_until(done.query, grid.timeout_s + NCCL_GRACE_S, what, failure=lambda: nccl_failure(grid))
-    return t.tolist()
+    """t's values on the host (a list; of one value for a 0-d t), where t holds what collectives made: the
+    one safe way to read one mid-run. On NCCL a collective whose communicator the watchdog aborted lets the
+    device pass it with its buffer as it was (this rank's own value, or garbage), and a plain read would
+    take that for the result and carry on: wait for the device here, bounded (`wait_for_device`), and ask
+    what NCCL found before trusting the value (a PeerError "rank R, `what`: ...", exit status 3). On gloo,
+    whose calls raise when a peer fails, and alone, just the read."""
+    wait_for_device(grid, what)
+    return t.tolist() if t.dim() else [t.item()]
 
 
 def nccl_failure(grid) -> str | None:
@@ -170,10 +185,19 @@ def nccl_failure(grid) -> str | None:
 
 
 def crash_due(spec: str, rank: int, event: str) -> bool:
-    """Is --crash-at `spec` asking process `rank` to die at `event` ("step:N", "save:N")? A "rank:R:..." spec
-    names one rank, and only in a launcher's first attempt, so that a restarted job runs through."""
+    """Is --crash-at `spec` asking process `rank` to die at `event` ("step:N", "save:N"), or to stall there
+    ("stall:connect", "stall:GROUP": `stall`)? A "rank:R:..." spec names one rank, and only in a launcher's
+    first attempt, so that a restarted job runs through."""
     if spec.startswith("rank:"):
         _, who, spec = spec.split(":", 2)
         if int(who) != rank or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
             return False
     return spec == event
+
+
+def stall() -> None:
+    """--crash-at stall:...: this process stops answering and never exits, as a hung peer does (a deadlock,
+    a stuck link): its peers wait in the call it never joins, until --timeout. A signal during set-up still
+    stops it (`Stop`); a launcher that gives up on the job kills it."""
+    while True:
+        time.sleep(3600)

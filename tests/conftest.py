@@ -106,6 +106,35 @@ def run_train(corpus: dict, out: Path, *flags: str, nproc: int = 1, check: bool 
     return result
 
 
+def start_ranks(corpus: dict, out: Path, world: int, *flags: str) -> list[subprocess.Popen]:
+    """`world` processes of train.py that find each other as torchrun's workers do (RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT), without a launcher: nothing stops the others when one fails, so each
+    process's own exit status and stderr are seen. Each in a session of its own (`stop_ranks` ends it)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+               "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen(train_command(corpus, out, *flags), env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True))
+    return procs
+
+
+def stop_ranks(procs: list[subprocess.Popen]) -> None:
+    """SIGKILL whatever is left of `start_ranks`' processes (and anything they started), and reap them."""
+    import signal
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        p.wait()
+
+
 def metrics(out: Path) -> list[dict]:
     """The per-step rows of metrics.jsonl (events such as spikes are left out)."""
     rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]

@@ -186,6 +186,39 @@ def test_ring_attention_off_the_kernel_grows_linearly_with_the_sequence(monkeypa
     assert peaks[1024] <= 2.2 * peaks[512], peaks
 
 
+def test_off_the_kernel_long_keys_keep_a_chunk_of_rows_and_take_fewer_heads():
+    """At long sequences the math blocks' chunks no longer shrink to a few query rows with every head (21
+    rows at 64k keys and 12 heads: each matmul read every head's keys for 21 rows): a chunk keeps
+    CHUNK_ROWS rows and takes as many heads as its score budget holds. Every (head, row) once, each chunk in
+    the budget."""
+    B, H, T = 1, 12, 65536
+    q = torch.empty(B, H, T, 64, device="meta")
+    chunks = list(context.query_chunks(q, q, causal=True))
+    seen = torch.zeros(H, T, dtype=torch.int32)
+    for heads, rows, keys in chunks:
+        seen[heads, rows] += 1
+        assert rows.stop - rows.start == context.CHUNK_ROWS and keys == slice(0, rows.stop)
+        assert B * (heads.stop - heads.start) * context.CHUNK_ROWS * T * 4 <= context.SCORE_CHUNK_BYTES
+    assert seen.eq(1).all() and len(chunks) == H // 2 * T // context.CHUNK_ROWS  # 2 of the 12 heads a chunk
+
+
+@pytest.mark.parametrize("budget", [2**20, 32 * 512, 8 * 512], ids=["whole", "2-heads-a-chunk", "16-rows-of-1-head"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_math_blocks_are_the_same_however_they_are_chunked(monkeypatch, budget, causal):
+    """The math blocks forward and backward (grouped-query attention: 4 heads over 2 kv heads) with the
+    scores whole, two heads a chunk, and half the rows of one head a chunk: the same outputs and gradients."""
+    gen = torch.Generator().manual_seed(0)
+    q, out_grad = (torch.randn(2, 4, 32, 16, generator=gen) for _ in range(2))
+    k, v = (torch.randn(2, 2, 32, 16, generator=gen) for _ in range(2))
+    whole = context.block_attention(q, k, v, causal, kernel=False)
+    whole_grads = context.block_attention_backward(q, k, v, *whole, out_grad, causal, kernel=False)
+    monkeypatch.setattr(context, "SCORE_CHUNK_BYTES", budget)
+    chunked = context.block_attention(q, k, v, causal, kernel=False)
+    grads = context.block_attention_backward(q, k, v, *chunked, out_grad, causal, kernel=False)
+    for got, want in zip([*chunked, *grads], [*whole, *whole_grads], strict=True):
+        torch.testing.assert_close(got, want)
+
+
 def test_positions_give_every_rank_an_early_and_a_late_chunk():
     """chunk i and chunk 2cp-1-i: together the ranks hold every position once, and every rank holds as many
     causal scores (its queries' positions summed, plus one each) as every other."""

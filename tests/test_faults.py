@@ -5,7 +5,8 @@ Findings (issue "Nothing silently wrong"): 1 the manifest was not integrity-chec
 change on resume was accepted and wrong; 3 a --fresh run could later resume another run's
 checkpoint, or silently restart when every checkpoint was corrupt; 4 the spike guard could loop
 forever; 5 two runs could share one --out; 6 tracebacks where one line is promised; 7 token shards
-had no checksum; 8 a stalled commit ignored --timeout.
+had no checksum; 8 a stalled commit ignored --timeout, and so did a stalled peer in any group but the
+world's (30 minutes instead) or before the ranks had joined (a traceback).
 """
 
 import json
@@ -18,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, TINY, metrics, run_train
+from conftest import ROOT, TINY, metrics, run_train, start_ranks, stop_ranks
 
 import checkpoint
 import data
@@ -321,6 +322,38 @@ def test_a_stalled_commit_honours_the_timeout(tmp_path):
         saver.save(1, checkpoint.tensor_entries(model, opt, saver.grid), checkpoint.optimizer_steps(opt), extra={},
                    meta={})
     assert time.monotonic() - start < 10
+
+
+def test_a_peer_stalled_in_a_tensor_parallel_collective_ends_the_run_at_the_timeout(corpus, tmp_path):
+    """Every group waits at most --timeout for a peer, not only the world's: rank 1 stops answering in its
+    first collective over tp (alive and silent, as a hung process is). Its tp partner, rank 0, waits there;
+    ranks 2 and 3 wait for them in a data-parallel all-reduce. Each says one PeerError line and exits 3,
+    rank 0 naming the tp call. (Before: torch's default for a new group, 30 minutes on gloo and 10 on NCCL,
+    so the run hung long past --timeout, and the bound on the wait below, far shorter, failed the test.)"""
+    procs = start_ranks(corpus, tmp_path, 4, "--tp", "2", "--max-steps", "50", "--timeout", "30",
+                        "--crash-at", "rank:1:stall:tp")
+    try:
+        errs = {r: procs[r].communicate(timeout=300)[1] for r in (0, 2, 3)}
+        assert procs[1].poll() is None  # it stalled: it did not die
+    finally:
+        stop_ranks(procs)
+    for r, err in errs.items():
+        lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
+        assert procs[r].returncode == 3 and len(lines) == 1 and "Traceback" not in err, (r, err[-3000:])
+        assert lines[0].startswith(f"error: rank {r}, in ") and "a peer process failed or timed out" in lines[0]
+    assert "over tp (ranks 0, 1): a peer process failed or timed out" in errs[0], errs[0][-2000:]
+
+
+def test_a_peer_that_stalls_before_joining_is_one_line_and_exit_3(corpus, tmp_path):
+    """Rank 1 hangs in set-up and never joins: rank 0 waits for it --timeout while the process group forms,
+    then says one PeerError line and exits 3, as for a peer that stalls in training. (Before: the store's
+    DistStoreError as a traceback, exit 1.)"""
+    result = run_train(corpus, tmp_path, "--timeout", "5", "--crash-at", "rank:1:stall:connect", nproc=2,
+                       check=False)
+    lines = [ln for ln in result.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and lines[0].startswith("error: rank 0, joining "), result.stderr[-3000:]
+    assert "a peer process failed or timed out" in lines[0]
+    assert 'train.py", line' not in result.stderr and "exitcode  : 3" in result.stderr, result.stderr[-3000:]
 
 
 # ----------------------------------------------------------------------------- the run directory, in process

@@ -17,6 +17,7 @@ import data
 import parallel
 import stability
 import train
+from support import interrupt
 
 
 def test_help_documents_every_flag_under_its_heading_with_its_real_default():
@@ -363,16 +364,20 @@ def test_a_step_reads_the_device_once_after_the_update_is_queued(flags, corpus, 
     """Whether to take the step (finite loss and gradients, no spike) is decided on the device, and the
     optimizer skips on the device when it must not update: the host reads the step's numbers once, after
     the update has been queued, so the GPU never idles waiting for the host mid-step. (Before: six reads,
-    two of them before the optimizer step.)"""
+    two of them before the optimizer step.) The signal every rank stops for rides on the same read (under
+    torchrun it was a read of its own at the top of every step)."""
     run = in_process_run(corpus, tmp_path, "--spike-z", "4", "--spike-window", "2", *flags)
+    stop = interrupt.Stop.__new__(interrupt.Stop)  # (no handlers in the test's process)
+    stop.signum = 0
     for _ in range(2):  # the spike guard is armed from here on
-        train.train_step(run)
+        train.train_step(run, stop)
         run.step += 1
+    stop.signum = 15  # a SIGTERM noted before the step: every rank stops after it
     with HostReads() as host:
-        row = train.train_step(run)
+        row = train.train_step(run, stop)
     update = host.calls.index("_fused_adamw_")
     assert len(host.reads) == 1 and host.reads[0] > update, [host.calls[i] for i in host.reads]
-    assert math.isfinite(row["loss"]) and not row["skipped"] and not row["spike"]
+    assert math.isfinite(row["loss"]) and not row["skipped"] and not row["spike"] and row["signal"] == 15
 
 
 def test_a_skipped_step_leaves_the_weights_and_the_optimizer_as_they_were(corpus, tmp_path):
