@@ -63,10 +63,10 @@ ranks must be the GLOBAL one, so each role takes a `reduce_max(t)` (`enable` giv
 through parallel.Grid, counted). With it an element gets the same fp8 bits on one rank as on eight,
 given the same value. Data and pipeline parallelism and ZeRO give every matmul the same values as one
 process (a data-parallel rank's micro-batch is one of its micro-steps), so they reproduce it to fp32's
-tolerance. (A data- or context-parallel rank's output gradients are dp·cp times one process's, its
-loss being the mean over its share of the tokens; its scales are as many times smaller, the bits the
-same. The amax history keeps one process's units, so a checkpoint resumes at another layout: `Scaling`'s
-unit.) Tensor and context parallelism add partial sums in another order: a value that lands within
+tolerance. (A data- or context-parallel rank's output gradients are dp·cp times one process's,
+its loss being the mean over its share of the tokens; its scales are as many times smaller, the bits
+the same. The amax history keeps one process's units, so a checkpoint resumes at another layout:
+`Scaling`'s unit.) Tensor and context parallelism add partial sums in another order: a value that lands within
 fp32 rounding of an fp8 rounding boundary may round the other way, off by up to one fp8 ulp, so those
 layouts agree to about 1e-5 over a step rather than 1e-7 (tests/test_fp8.py states and checks both).
 
@@ -200,10 +200,10 @@ class Scaling:
     counts and returns the finished step's statistics. Everything stays on the device: no host reads.
 
     `unit`: how many times one process's values this rank's tensor holds. A data-parallel (or
-    context-parallel) rank's loss is the mean over its 1/(dp·cp) of the batch's tokens, so the output
-    gradients it casts are dp·cp times one process's (the gradient all-reduce averages them back); its
-    scales are dp·cp times smaller, the fp8 bits the same. The history is kept in one process's units
-    (amax / unit), so a checkpoint resumed at another layout takes the scales one process would, not
+    context-parallel) rank's loss is the mean over its 1/(dp·cp) of the batch's tokens, so the
+    output gradients it casts are dp·cp times one process's (the gradient all-reduce averages them
+    back); its scales are dp·cp times smaller, the fp8 bits the same. The history is kept in one
+    process's units (amax / unit), so a checkpoint resumed at another layout takes the scales one process would, not
     ones off by the ratio of the two layouts for the history's length.
     """
 
@@ -263,7 +263,7 @@ class Scaling:
         return stats
 
     def delayed_scale(self) -> torch.Tensor:
-        """The scale of the history's largest amax, at this rank's unit (an all-zero history: as it was)."""
+        """The scale of the history's largest amax, at this rank's unit (all zeros: as it was)."""
         top = self.amax_history.max() * self.unit
         return torch.where(top > 0, scale_for(top, self.fmt, self.margin), self.scale)
 
@@ -283,8 +283,8 @@ class Scaling:
         self.amax_history = state["amax_history"].to(device, torch.float32).clone()
         self.scale = state["scale"].to(device, torch.float32).clone()
         self.updates = int(state["updates"])
-        if self.recipe == "delayed" and self.updates:  # the checkpoint's scale is its layout's: take
-            self.scale = self.delayed_scale()  # ours as update() did (the same bits at the same layout)
+        if self.recipe == "delayed" and self.updates:  # the saved scale is its layout's: take
+            self.scale = self.delayed_scale()  # ours as update() did (the same bits at the same one)
         self._reset()
 
 
@@ -387,8 +387,8 @@ def enable(model: torch.nn.Module, grid, recipe: str = "current", history: int =
     A tensor split over ranks takes its amax over them (`reduce_max`, an all-reduce MAX through the Grid,
     counted): tensor parallelism splits a column-parallel layer's w and output gradient (its weight's
     `shard` dim is 0) and a row-parallel layer's x and w (dim 1); context parallelism splits every x and
-    gradient along the sequence. So a layout casts each element with the scale one process would (an
-    output gradient, dp x cp times one process's, with a scale as many times smaller: `Scaling`'s unit).
+    gradient along the sequence. So a layout casts each element with the scale one process would
+    (an output gradient, dp x cp times one process's, with a scale as many times smaller: `unit`).
     Returns [(module name, Fp8LinearState)] in module order."""
     states = []
     for name, m in model.named_modules():
