@@ -66,9 +66,10 @@ process (a data-parallel rank's micro-batch is one of its micro-steps), so they 
 tolerance. (A data- or context-parallel rank's output gradients are dp·cp times one process's,
 its loss being the mean over its share of the tokens; its scales are as many times smaller, the bits
 the same. The amax history keeps one process's units, so a checkpoint resumes at another layout:
-`Scaling`'s unit.) Tensor and context parallelism add partial sums in another order: a value that lands within
-fp32 rounding of an fp8 rounding boundary may round the other way, off by up to one fp8 ulp, so those
-layouts agree to about 1e-5 over a step rather than 1e-7 (tests/test_fp8.py states and checks both).
+`Scaling`'s unit.) Tensor and context parallelism add partial sums in another order: a value that
+lands within fp32 rounding of an fp8 rounding boundary may round the other way, off by up to one fp8
+ulp, so those layouts agree to about 1e-5 over a step rather than 1e-7 (tests/test_fp8.py states and
+checks both).
 
 Memory: X is saved for the backward in fp8 (1 byte, not 2 or 4). W is saved as it was given (under
 ZeRO-3, a view of the unit's gathered buffer, which the backward gathers again) and quantized again
@@ -203,8 +204,8 @@ class Scaling:
     context-parallel) rank's loss is the mean over its 1/(dp·cp) of the batch's tokens, so the
     output gradients it casts are dp·cp times one process's (the gradient all-reduce averages them
     back); its scales are dp·cp times smaller, the fp8 bits the same. The history is kept in one
-    process's units (amax / unit), so a checkpoint resumed at another layout takes the scales one process would, not
-    ones off by the ratio of the two layouts for the history's length.
+    process's units (amax / unit), so a checkpoint resumed at another layout takes the scales one
+    process would, not ones off by the ratio of the two layouts for the history's length.
     """
 
     def __init__(self, fmt: torch.dtype, recipe: str = "current", history: int = DEFAULT_HISTORY,
@@ -284,7 +285,7 @@ class Scaling:
         self.scale = state["scale"].to(device, torch.float32).clone()
         self.updates = int(state["updates"])
         if self.recipe == "delayed" and self.updates:  # the saved scale is its layout's: take
-            self.scale = self.delayed_scale()  # ours as update() did (the same bits at the same one)
+            self.scale = self.delayed_scale()  # ours as update() did (at one layout: the same bits)
         self._reset()
 
 
