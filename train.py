@@ -44,6 +44,11 @@ from statistics import median
 # (tests/bench.py). GPU memory is not affected.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
+from support import cli  # (light: no torch)
+
+if __name__ == "__main__":  # Ctrl-C while the imports below load (seconds): one line and exit 130
+    cli.exit_on_signals_while_starting()  # (main() then installs interrupt.Stop)
+
 import numpy as np
 import torch
 from tqdm import tqdm
@@ -60,7 +65,7 @@ import pipeline
 import shard
 import stability
 import zero
-from support import cli, devices, interrupt, rundir, tokenizer, writer
+from support import devices, interrupt, rundir, tokenizer, writer
 
 # ----------------------------------------------------------------------------- optimization
 
@@ -578,8 +583,9 @@ def main(argv=None) -> None:
                                               f" (nothing left to do: the run in {cfg.out} has finished; --fresh "
                                               "starts a new one there, a larger --max-steps continues it)")
                   + (f", val loss {last['val_loss']:.4f}" if "val_loss" in last else ""))
-    except interrupt.Stopped as e:  # every rank stopped at the same step; rank 0 says so
-        cli.fail(str(e), e.code, say=int(os.environ.get("RANK", "0")) == 0)
+    except interrupt.Stopped as e:  # every rank stopped at the same step; rank 0 says so, and all
+        parallel.shutdown()  # leave at once: nothing is left but the teardown (interrupt.py: why)
+        cli.fail(str(e), e.code, say=int(os.environ.get("RANK", "0")) == 0, at_once=True)
     except (config.ConfigError, parallel.LayoutError) as e:
         if torch.distributed.is_initialized():  # found by some ranks only: each says what it found
             cli.fail(f"error: {e}")

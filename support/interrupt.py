@@ -25,6 +25,12 @@ last complete checkpoint: a save is atomic (checkpoint.py), so one cut short is 
 repeat within REPEAT_S is the same Ctrl-C arriving twice: the terminal signals every process of the
 foreground group, and torchrun forwards the one it got to its workers too.
 
+Once the stop is complete (its checkpoint committed, its line said), the process leaves without the
+interpreter's teardown (os._exit, train.main): Python's finalization puts the default handlers back
+before it destroys torch's objects, so a Ctrl-C pressed again in those moments ended the process by the
+signal (exit status -2 to its parent) instead of the promised 130, and nothing is left to lose. Before
+main installs this handler, while the program's imports load, support/cli.py's stands in.
+
 When a peer fails, a collective raises (gloo) or never completes (NCCL: the step's bounded wait,
 `wait_for_device`): `peer_call` and `wait_until` make either one PeerError line (train.py: exit status 3).
 And on purpose: --crash-at kills the process at a step or in the middle of a save (`crash_due`), for the
