@@ -590,6 +590,8 @@ def main(argv=None) -> None:
         if torch.distributed.is_initialized():  # found by some ranks only: each says what it found
             cli.fail(f"error: {e}")
         cli.stop_every_rank(str(e))
+    except checkpoint.IncompatibleCheckpoint as e:  # every rank read the same manifest: said once
+        cli.stop_every_rank(str(e))
     except (data.DataError, checkpoint.CheckpointError, rundir.RunDirError, FloatingPointError) as e:
         cli.fail(f"error: {e}")
     except interrupt.PeerError as e:  # a dead or hung peer: one line instead of a traceback wall

@@ -127,14 +127,16 @@ def stop_every_rank(message: str) -> None:
     """An error that every rank found alike (a flag, a layout, a checkpoint they all read): alone, print it
     and exit 2. Under torchrun, rank 0 says it once and exits 2, so `torchrun ... && next` stops and a
     scheduler records a failure; the other ranks exit 0 at once, so torchrun's summary names one failure,
-    rank 0's, with this line as its cause (`fail`). With --max-restarts N, torchrun tries N more times."""
+    rank 0's, with this line as its cause (`fail`). With --max-restarts N, torchrun tries N more times.
+    The others leave without the interpreter's teardown (torch's can take longer than rank 0's wait on a
+    loaded machine, once the ranks have connected): nothing of theirs is left to finish."""
     world = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun
     if world == 1:
         fail(f"error: {message}")
     if int(os.environ.get("RANK", "0")) == 0:
         time.sleep(0.5)  # the others, exiting 0 meanwhile, are gone before torchrun sees rank 0 fail (it would
         fail(f"error: {message} (all {world} processes stopped)")  # stop them, and list each as a failure)
-    sys.exit(0)
+    fail("", 0, say=False, cause=False, at_once=True)
 
 
 # ----------------------------------------------------------------------------- signals before and after main
