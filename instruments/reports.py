@@ -8,7 +8,8 @@
               (timeline.py); at the end, the line on what checkpoints cost the loop
     MFU       the bar's and metrics.jsonl's mfu: tokens/s x 6N + 12LHQT FLOPs per token (PaLM,
               appendix B) over the hardware's peak (planner.peak_flops), never below a rate a step
-              reached (a CPU's, measured at start, is measured again: at most 100%)
+              reached (a CPU's, measured at start, is measured again: at most 100%; metrics.jsonl's
+              `mfu peak` event says so)
 
 Both are Observers (support/observer.py): train.py's main attaches them (observers.py). Every rank takes part
 where numbers are gathered; rank 0 prints. `run` is train.py's Run: the model, the grid, the optimizer.
@@ -98,32 +99,31 @@ class MFU(Observer):
         self.flops_per_token = gpt.flops_per_token(run.model_cfg, run.cfg.seq_len)
         share = gpt.fp8_flop_share(run.model_cfg, run.cfg.seq_len) if run.precision.fp8 else 0.0
         self.peak = planner.peak_flops(run.device, run.cfg.precision, share) * run.grid.world
-        self.device, self.world, self.log, self.said = run.device, run.grid.world, run.log, False
+        self.run, self.said = run, False
         if note := planner.unknown_gpu(run.device):
             run.log(note)
 
     def step_end(self, row: dict) -> None:
         rate = row["tokens_per_sec"] * self.flops_per_token
         if rate > self.peak:
-            self.raise_peak(rate)
+            self.raise_peak(rate, row["step"])
         row["mfu"] = rate / self.peak
 
-    def raise_peak(self, rate: float) -> None:
+    def raise_peak(self, rate: float, step: int) -> None:
         """A step ran faster than the peak, so the peak was wrong. A CPU's is measured, by a short burst of
-        matmuls at start, which a busy moment on a shared machine slows: measure it again (once) and say so.
-        A GPU's comes from its row of the table. Either way the peak never stays below a rate a step reached:
-        MFU is at most 100%."""
-        old, cpu = self.peak, self.device.type == "cpu"
+        matmuls at start, which a busy moment on a shared machine slows: measure it again (once). A GPU's
+        comes from its row of the table. Either way the peak never stays below a rate a step reached (MFU is
+        at most 100%), and metrics.jsonl says so once, in an `mfu peak` event (not the console: how busy the
+        machine was at start is no part of what a run prints, which the lessons hold to their pages)."""
+        old, cpu = self.peak, self.run.device.type == "cpu"
         if cpu and not self.said:
-            self.peak = planner.measured_matmul_flops() * self.world
+            self.peak = planner.measured_matmul_flops() * self.run.grid.world
         self.peak = max(self.peak, rate)
         if not self.said:
             self.said = True
-            self.log(f"mfu: a step ran at {rate / 1e9:,.1f} GFLOP/s, above the peak it is measured against "
-                     + (f"({old / 1e9:,.1f} GFLOP/s, measured at start while this CPU was busy); re-measured: "
-                        f"{self.peak / 1e9:,.1f} GFLOP/s (MFU on a shared CPU is approximate)" if cpu else
-                        f"(this GPU's row of planner.GPU_PEAKS, {old / 1e12:,.0f} TFLOP/s): MFU is against the "
-                        "fastest step's rate from here, not the datasheet's"))
+            why = "measured at start while this CPU was busy; re-measured" if cpu else \
+                "this GPU's row of planner.GPU_PEAKS; MFU is against the fastest step's rate from here"
+            self.run.metrics.log(event="mfu peak", step=step, rate=rate, was=old, now=self.peak, why=why)
 
 
 # Every flag of train.py is in one of the lists below (tests/test_faults.py holds config.TrainConfig to them, so
