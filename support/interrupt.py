@@ -26,7 +26,7 @@ repeat within REPEAT_S is the same Ctrl-C arriving twice: the terminal signals e
 foreground group, and torchrun forwards the one it got to its workers too.
 
 Once the stop is complete (its checkpoint committed, its line said), the process leaves without the
-interpreter's teardown (os._exit, train.main): Python's finalization puts the default handlers back
+interpreter's teardown (os._exit, `Stopped.leave`): Python's finalization puts the default handlers back
 before it destroys torch's objects, so a Ctrl-C pressed again in those moments ended the process by the
 signal (exit status -2 to its parent) instead of the promised 130, and nothing is left to lose. Before
 main installs this handler, while the program's imports load, support/cli.py's stands in.
@@ -46,6 +46,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from support import cli
+
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 REPEAT_S = 1.0  # a repeat within this is the same request, delivered twice
 
@@ -64,6 +66,13 @@ class Stopped(BaseException):
         else:
             text = f"stopped at step {step} by {name}; checkpoint saved; rerun the same command to continue"
         super().__init__(text)
+
+    def leave(self) -> None:
+        """Exit 128 + the signal, rank 0 saying why, once the stop is complete: without the interpreter's
+        teardown (the module docstring says why), the process group shut down first."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        cli.fail(str(self), self.code, say=int(os.environ.get("RANK", "0")) == 0, at_once=True)
 
 
 class Stop:
