@@ -209,8 +209,10 @@ class TrainConfig:
 
 
 def parse_args(argv=None) -> TrainConfig:
-    p = cli.parser(TrainConfig, "Train a GPT-2 on a CPU, a GPU or many (torchrun --nproc-per-node N train.py "
-                   "...). Every flag has a default; an automatic one shows what it becomes.",
+    what = ("Train a GPT-2 or a Llama-family model (--arch llama) on a CPU, a GPU or many "
+            "(torchrun --nproc-per-node N train.py ...). Every flag has a default; an automatic "
+            "one shows what it becomes.")
+    p = cli.parser(TrainConfig, what,
                    prog="python train.py", epilog="README.md says what a run prints and writes; lessons/ teach "
                    "what each flag does, one idea at a time.")
     p.usage = "python train.py [flags]   or   torchrun --nproc-per-node N train.py [flags]"

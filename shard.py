@@ -317,7 +317,7 @@ def check_layout(cfg: gpt.GPTConfig, grid: Grid, seq_len: int) -> None:
     if grid.sp and seq_len % (grid.tp * grid.cp):
         raise LayoutError(f"--sp needs --seq-len ({seq_len}) divisible by --tp {grid.tp}"
                           + (f" times --cp {grid.cp}" if grid.cp > 1 else ""))
-    if seq_len % (2 * grid.cp):
+    if grid.cp > 1 and seq_len % (2 * grid.cp):  # (at cp 1 the sequence stays whole: any length)
         raise LayoutError(f"--cp {grid.cp} cuts each sequence into 2*cp = {2 * grid.cp} chunks: --seq-len "
                           f"{seq_len} must be divisible by {2 * grid.cp}")
     if grid.cp > 1 and grid.cp_attn == "ulysses" and (cfg.kv_heads // grid.tp) % grid.cp:

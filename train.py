@@ -13,10 +13,8 @@ One optimizer step, whatever the layout:
 
 The math of a step depends only on the global batch, the data order and the seed; --tp, --pp,
 the data-parallel degree and --micro-batch-size only change how it is computed (DESIGN.md,
-principle 3). The tests hold every layout to that.
-
-Mixed precision, loss scaling, the schedule, clipping and the spike guard (lesson 02) live in
-stability.py.
+principle 3). The tests hold every layout to that. Mixed precision, loss scaling, the schedule,
+clipping and the spike guard (lesson 02) live in stability.py.
 
 Checkpoints (lesson 05) are written by checkpoint.py; a run whose --out holds one resumes from
 it. The loss-spike guard rolls back to the last checkpoint and skips the batch that caused it.
@@ -44,6 +42,11 @@ from statistics import median
 # (tests/bench.py). GPU memory is not affected.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
+from support import cli  # (light: no torch)
+
+if __name__ == "__main__":  # until main() installs interrupt.Stop, Ctrl-C while the imports below
+    cli.exit_on_signals_while_starting()  # load (seconds) is one line and exit 130, not a traceback
+
 import numpy as np
 import torch
 from tqdm import tqdm
@@ -60,7 +63,7 @@ import pipeline
 import shard
 import stability
 import zero
-from support import cli, devices, interrupt, rundir, tokenizer, writer
+from support import devices, interrupt, rundir, tokenizer, writer
 
 # ----------------------------------------------------------------------------- optimization
 
@@ -582,12 +585,12 @@ def main(argv=None) -> None:
                                               f" (nothing left to do: the run in {cfg.out} has finished; --fresh "
                                               "starts a new one there, a larger --max-steps continues it)")
                   + (f", val loss {last['val_loss']:.4f}" if "val_loss" in last else ""))
-    except interrupt.Stopped as e:  # every rank stopped at the same step; rank 0 says so
-        cli.fail(str(e), e.code, say=int(os.environ.get("RANK", "0")) == 0)
-    except (config.ConfigError, parallel.LayoutError) as e:
-        if torch.distributed.is_initialized():  # found by some ranks only: each says what it found
-            cli.fail(f"error: {e}")
-        cli.stop_every_rank(str(e))
+    except interrupt.Stopped as e:  # every rank stopped at the same step: rank 0 says so, all leave
+        e.leave()
+    except (config.ConfigError, parallel.LayoutError, checkpoint.IncompatibleCheckpoint) as e:
+        if torch.distributed.is_initialized() and type(e) is not checkpoint.IncompatibleCheckpoint:
+            cli.fail(f"error: {e}")  # found by some ranks only: each says what it found
+        cli.stop_every_rank(str(e))  # found by all alike (a checkpoint: all read the same manifest)
     except (data.DataError, checkpoint.CheckpointError, rundir.RunDirError, FloatingPointError) as e:
         cli.fail(f"error: {e}")
     except interrupt.PeerError as e:  # a dead or hung peer: one line instead of a traceback wall

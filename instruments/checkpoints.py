@@ -8,9 +8,16 @@ checks what a reader checks (checkpoint.pin: the manifest's own sha256 and schem
 and sha256), but reports every problem instead of stopping at the first, and exits 2 if there was one.
 `consolidate` is checkpoint.consolidate written to one torch file. (To a Hugging Face directory:
 `python -m instruments.hf export`.)
+
+What these commands write, they write whole or not at all (a temporary name, renamed once complete), and a
+path they cannot use (a checkpoint that does not verify, an output that is a file or cannot be written) is
+one line and exit status 2, as train.py says its errors.
 """
 
 import argparse
+import contextlib
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -78,19 +85,65 @@ def show(path: Path) -> None:
 
 
 def consolidate(path: Path, file: str) -> None:
+    file = Path(file)
+    writable(file, kind="file")
     weights = checkpoint.consolidate(path)
-    torch.save(weights, file)
+    tmp = file.with_name(f".{file.name}.tmp-{os.getpid()}")
+    try:  # whole or not at all: a failure half-way (a full disk) leaves no half a file under the name
+        torch.save(weights, tmp)
+        os.replace(tmp, file)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     print(f"wrote {len(weights)} tensors ({sum(t.numel() for t in weights.values()):,} parameters) from {path} "
           f"to {file}")
 
 
 def one_line_errors(command) -> None:
-    """command(), with a checkpoint that cannot be used said in one line on stderr, and exit status 2."""
+    """command(), with a checkpoint that cannot be used, or an output that cannot be written (a full disk, no
+    permission), said in one line on stderr, and exit status 2, as train.py says its errors."""
     try:
         command()
-    except CheckpointError as e:
+    except (CheckpointError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+def writable(out: Path, kind: str = "directory") -> None:
+    """Refuse, before any work, an output path that is a file where a directory is asked for (or the reverse),
+    or that lies under a file."""
+    out = Path(out)
+    there = next(p for p in (out, *out.parents) if p.exists())
+    if there == out and out.is_dir() != (kind == "directory"):
+        raise CheckpointError(f"{out} is a {'file' if kind == 'directory' else 'directory'}; name a {kind} to write")
+    if there != out and not there.is_dir():
+        raise CheckpointError(f"{there} is a file, so {out} cannot be made under it; name a {kind} elsewhere")
+
+
+def write_whole(out_dir: Path, write) -> None:
+    """write(tmp) fills a new directory beside `out_dir`; then its files move into out_dir (a new out_dir is that
+    directory, renamed). On a failure nothing is left behind: neither the temporary directory nor the parents
+    made for it, and an existing out_dir keeps its files."""
+    out_dir = Path(out_dir)
+    made = [p for p in (out_dir.parent, *out_dir.parent.parents) if not p.exists()]  # deepest first
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # (a leftover of a killed export of the same pid)
+        tmp.mkdir()
+        write(tmp)
+        if not out_dir.exists():
+            os.replace(tmp, out_dir)
+            return
+        for f in sorted(tmp.iterdir(), key=lambda f: f.name == "config.json"):  # the config, what readers open, last
+            os.replace(f, out_dir / f.name)
+        tmp.rmdir()
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        for p in made:
+            with contextlib.suppress(OSError):
+                p.rmdir()
+        raise
 
 
 def find_checkpoint(path: str | Path) -> Path:

@@ -20,7 +20,8 @@ model.py uses the names of Hugging Face's GPT2LMHeadModel (`transformer.h.0.attn
   one tensor. Import reads wte and skips lm_head; export writes wte only, with
   "tie_word_embeddings": true.
 * A padded vocabulary. Our embedding has a multiple of 128 rows (50257 -> 50304) for faster
-  matmuls: import appends zero rows, export cuts them off.
+  matmuls: import appends zero rows (to a tensor of exactly config.json's vocabulary: another length is
+  refused), export cuts them off.
 * Old files. Some name tensors without the "transformer." prefix, and some store the attention's
   causal mask (`attn.bias`, `attn.masked_bias`), a buffer rather than a weight, which is skipped.
 
@@ -35,7 +36,9 @@ Import (`hf_config`, `read_hf_weights`, `initial_values`, `load_hf`) renames and
 layout, then each rank copies only its own slice (`shard.take_shard`), so a model built for
 tensor parallelism starts from the same weights as one on a single device. Export (`export_hf`)
 takes the full fp32 tensors that `checkpoint.consolidate` rebuilds from a checkpoint of any layout, undoes
-the differences above, and writes a directory that `transformers.GPT2LMHeadModel.from_pretrained` loads.
+the differences above, and writes a directory that `transformers.GPT2LMHeadModel.from_pretrained` (or
+`LlamaForCausalLM`'s) loads: whole or not at all (a temporary directory beside it, renamed). A mixture of
+experts is refused: neither class has routed experts.
 """
 
 import argparse
@@ -98,13 +101,17 @@ def initial_values(model: torch.nn.Module, directory: Path):
         raise CheckpointError(f"{directory}: no tensor for {missing}")
 
     def value(p: torch.nn.Parameter) -> torch.Tensor:
-        name = names[id(p)]
+        name, cfg = names[id(p)], model.config
         w = weights[name].float()
-        if name in VOCAB_ROWS:  # pad the vocabulary to the model's multiple of 128
-            w = torch.cat([w, w.new_zeros(model.config.padded_vocab - w.shape[0], w.shape[1])])
+        if name in VOCAB_ROWS:  # one row per token of config.json's vocabulary, then zeros up to our multiple of 128
+            if w.shape[0] != cfg.vocab_size:  # (padding first would start the missing tokens from zero, silently)
+                raise CheckpointError(f"{directory}: {name} has shape {tuple(w.shape)}, but config.json's vocabulary "
+                                      f"is {cfg.vocab_size} tokens: one row each")
+            w = torch.cat([w, w.new_zeros(cfg.padded_vocab - w.shape[0], w.shape[1])])
         part = take_shard(w, getattr(p, "shard", None))  # this rank's slice under tensor parallelism
         if part.shape != p.shape:
-            raise CheckpointError(f"{directory}: {name} has shape {tuple(w.shape)}, which does not fit this model")
+            raise CheckpointError(f"{directory}: {name} has shape {tuple(weights[name].shape)}, which does not fit "
+                                  "this model")
         return part
     return value
 
@@ -125,11 +132,10 @@ def load_hf(model: torch.nn.Module, directory: Path) -> None:
 
 def export_hf(weights: dict[str, torch.Tensor], manifest: dict, out_dir: Path) -> None:
     """Write a checkpoint, as checkpoint.consolidate gives it (full tensors, our names) with its
-    verified manifest, as a Hugging Face GPT2LMHeadModel directory."""
+    verified manifest, into the directory `out_dir` (config.json last) as a Hugging Face GPT2LMHeadModel or
+    LlamaForCausalLM."""
     m, tok = manifest["meta"]["model"], manifest["meta"]["tokenizer"]
     weights = {n: t[: m["vocab_size"]] if n in VOCAB_ROWS else t for n, t in weights.items()}
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     if m.get("arch") == "llama":
         write_safetensors(out_dir / "model.safetensors", {n: t.contiguous() for n, t in to_llama(weights, m).items()})
         config = {**llama_json(m), "nanoscale": {"tokenizer": tok, "step": manifest["step"]}}
@@ -148,19 +154,28 @@ def export_hf(weights: dict[str, torch.Tensor], manifest: dict, out_dir: Path) -
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m instruments.hf", description="Hugging Face GPT-2 and nanoscale.")
-    p.add_argument("cmd", choices=["export"], help="export: write a checkpoint as a Hugging Face GPT2LMHeadModel "
-                   "directory")
+    p = argparse.ArgumentParser(prog="python -m instruments.hf",
+                                description="nanoscale checkpoints as Hugging Face GPT-2 and Llama models.")
+    p.add_argument("cmd", choices=["export"], help="export: write a checkpoint as a Hugging Face model directory: "
+                   "GPT2LMHeadModel for a GPT-2 run, LlamaForCausalLM for a Llama run (not a mixture of experts)")
     p.add_argument("path", help=checkpoints.PATH_HELP)
-    p.add_argument("dir", help="output directory (config.json + model.safetensors)")
+    p.add_argument("dir", help="output directory (config.json + model.safetensors); made whole or not at all")
     args = p.parse_args(argv)
     checkpoints.one_line_errors(lambda: export(checkpoints.find_checkpoint(args.path), Path(args.dir)))
 
 
 def export(path: Path, out_dir: Path) -> None:
     reader = checkpoint.pin(path)
-    export_hf(checkpoint.consolidate(reader), reader.manifest, out_dir)
-    kind = "Llama" if reader.manifest["meta"]["model"].get("arch") == "llama" else "GPT-2"
+    m = reader.manifest["meta"]["model"]
+    if m.get("moe_experts"):  # before any work: a dense config with expert tensors would load as something else
+        raise CheckpointError(f"{path} is a mixture of experts ({m['moe_experts']} experts a block), which export "
+                              "does not write: GPT2LMHeadModel and LlamaForCausalLM have no routed experts, and "
+                              "transformers' Mixtral routes without a capacity (ours drops tokens over it); "
+                              "sample it with sample.py")
+    checkpoints.writable(out_dir)
+    weights = checkpoint.consolidate(reader)
+    checkpoints.write_whole(out_dir, lambda tmp: export_hf(weights, reader.manifest, tmp))
+    kind = "Llama" if m.get("arch") == "llama" else "GPT-2"
     print(f"wrote a Hugging Face {kind} model from {path} to {out_dir}")
 
 

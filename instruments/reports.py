@@ -7,7 +7,9 @@
               pipeline's ops on a clock); after the second, --print-timeline's picture of one step
               (timeline.py); at the end, the line on what checkpoints cost the loop
     MFU       the bar's and metrics.jsonl's mfu: tokens/s x 6N + 12LHQT FLOPs per token (PaLM,
-              appendix B) over the hardware's peak (planner.peak_flops)
+              appendix B) over the hardware's peak (planner.peak_flops), never below a rate a step
+              reached (a CPU's, measured at start, is measured again: at most 100%; metrics.jsonl's
+              `mfu peak` event says so)
 
 Both are Observers (support/observer.py): train.py's main attaches them (observers.py). Every rank takes part
 where numbers are gathered; rank 0 prints. `run` is train.py's Run: the model, the grid, the optimizer.
@@ -97,20 +99,54 @@ class MFU(Observer):
         self.flops_per_token = gpt.flops_per_token(run.model_cfg, run.cfg.seq_len)
         share = gpt.fp8_flop_share(run.model_cfg, run.cfg.seq_len) if run.precision.fp8 else 0.0
         self.peak = planner.peak_flops(run.device, run.cfg.precision, share) * run.grid.world
+        self.run, self.said = run, False
         if note := planner.unknown_gpu(run.device):
             run.log(note)
 
     def step_end(self, row: dict) -> None:
-        row["mfu"] = row["tokens_per_sec"] * self.flops_per_token / self.peak
+        rate = row["tokens_per_sec"] * self.flops_per_token
+        if rate > self.peak:
+            self.raise_peak(rate, row["step"])
+        row["mfu"] = rate / self.peak
+
+    def raise_peak(self, rate: float, step: int) -> None:
+        """A step ran faster than the peak, so the peak was wrong. A CPU's is measured, by a short burst of
+        matmuls at start, which a busy moment on a shared machine slows: measure it again (once). A GPU's
+        comes from its row of the table. Either way the peak never stays below a rate a step reached (MFU is
+        at most 100%), and metrics.jsonl says so once, in an `mfu peak` event (not the console: how busy the
+        machine was at start is no part of what a run prints, which the lessons hold to their pages)."""
+        old, cpu = self.peak, self.run.device.type == "cpu"
+        if cpu and not self.said:
+            self.peak = planner.measured_matmul_flops() * self.run.grid.world
+        self.peak = max(self.peak, rate)
+        if not self.said:
+            self.said = True
+            why = "measured at start while this CPU was busy; re-measured" if cpu else \
+                "this GPU's row of planner.GPU_PEAKS; MFU is against the fastest step's rate from here"
+            self.run.metrics.log(event="mfu peak", step=step, rate=rate, was=old, now=self.peak, why=why)
 
 
-# Flags that may change when a run resumes, and what the change does (the others must match, or
-# make no difference to the math: logging, checkpoint cadence, fault injection).
+# Every flag of train.py is in one of the lists below (tests/test_faults.py holds config.TrainConfig to them, so
+# that a new flag is classified, not forgotten). Flags that may change when a run resumes, and what the change
+# does, said in one line each:
 SCHEDULE = ("lr", "min_lr", "warmup_steps", "max_steps")
-UPDATE = ("weight_decay", "clip", "dropout", "loss_scale_window", "max_bad_steps", "spike_z", "spike_window",
-          "moe_aux_loss", "moe_z_loss")
-LAYOUT = ("tp", "pp", "sp", "cp", "cp_attn", "ep", "zero", "micro_batch_size", "pp_schedule", "virtual_stages")
-KERNELS = ("attn", "compile", "device", "recompute")
+UPDATE = ("weight_decay", "clip", "dropout", "loss_scale_window", "max_bad_steps", "max_rollbacks", "spike_z",
+          "spike_window", "moe_aux_loss", "moe_z_loss")
+LAYOUT = ("tp", "pp", "sp", "cp", "cp_attn", "ep", "zero", "zero_shard", "hpz", "gpus_per_node", "micro_batch_size",
+          "pp_schedule", "virtual_stages")
+KERNELS = ("attn", "compile", "device", "recompute", "bucket_mb", "no_overlap")
+QUANTIZED = ("qwz", "qgz", "quant_block")  # ZeRO++ rounds what it sends to int8 / int4: the math changes
+# Flags a checkpoint fixes (train.checkpoint_meta: the model, the tokenizer, the data, the batch, the seed, the
+# precision): a change is refused, so there is nothing to say.
+FIXED = ("data", "tokenizer", "preset", "arch", "n_kv_head", "rope_theta", "tie_embeddings", "n_layer", "block_size",
+         "seq_len", "moe_experts", "moe_top_k", "moe_every", "moe_capacity_factor", "batch_size", "seed", "precision",
+         "fp8_recipe", "fp8_amax_history")
+# Flags without effect on the math of a step: paths, reporting, checkpoint cadence, fault injection; the starting
+# weights (a resume starts from its checkpoint's); the data's and the loss scale's changes have lines of their own
+# (checkpoint.data_changes, below).
+UNSAID = ("cache_dir", "init_from", "out", "fresh", "new_data", "ckpt_every", "keep", "async_ckpt", "timeout",
+          "eval_every", "eval_batches", "sample_tokens", "stats_every", "print_grid", "print_schedule",
+          "print_timeline", "comm_report", "memory_report", "crash_at", "poison_step", "loss_scale")
 
 
 def resume_changes(run, saved: dict, saved_layout: dict) -> list[str]:
@@ -118,8 +154,9 @@ def resume_changes(run, saved: dict, saved_layout: dict) -> list[str]:
     `saved_layout`), with what the difference does."""
     cfg, now, lines = run.cfg, asdict(run.cfg), []
     old = config.TrainConfig(**{k: v for k, v in saved.items() if k in now})
-    for name in SCHEDULE + UPDATE + LAYOUT + KERNELS:
-        if name not in saved or saved[name] == now[name]:
+    quantized = any(conf.get(q) for conf in (saved, now) for q in ("qwz", "qgz"))
+    for name in SCHEDULE + UPDATE + LAYOUT + KERNELS + QUANTIZED:
+        if name not in saved or saved[name] == now[name] or name == "quant_block" and not quantized:
             continue
         change = f"resume: --{name.replace('_', '-')} {saved[name]} -> {now[name]}: "
         if name in SCHEDULE:
@@ -130,6 +167,8 @@ def resume_changes(run, saved: dict, saved_layout: dict) -> list[str]:
             effect = "the updates from here on differ from the original run's"
         elif name in LAYOUT:
             effect = "a layout change: the same math; random streams (dropout) start afresh"
+        elif name in QUANTIZED:
+            effect = "ZeRO++'s quantization changes the math: the updates from here on differ from the original run's"
         else:
             effect = "the same math up to floating-point rounding"
         lines.append(change + effect)

@@ -22,9 +22,10 @@ Layers are `embed` (wte, wpe; the tied output layer is wte), `h.0` ... `h.{L-1}`
 
 Under --precision fp8, two more per block: `fp8_x_amax[l]` and `fp8_g_amax[l]`, the largest |x| its Linears
 cast to e4m3 and the largest output gradient they cast to e5m2 in the step (the max over its four Linears
-and over the ranks: a second all-reduce, a MAX). Each tensor's scale is the format's max over its amax
-(fp8.py), so this is the chart of the scales too: one falling by orders of magnitude is where e5m2 runs
-out of room below, one jumping is where delayed scaling saturates for a step.
+and over the ranks: a second all-reduce, a MAX; a gradient's in one process's units, fp8.Scaling's unit).
+Each tensor's scale is the format's max over its amax (fp8.py), so this is the chart of the scales too: one
+falling by orders of magnitude is where e5m2 runs out of room below, one jumping is where delayed scaling
+saturates for a step.
 
 With experts (moe.py), two more per MoE block, the numbers that show a router collapsing:
 `moe_load[l]`, the share of the step's assignments (token, choice) that chose each of the E experts, before

@@ -19,6 +19,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
 import time
 from dataclasses import MISSING, field, fields
@@ -99,12 +100,13 @@ def printer(on: bool):
     return (lambda msg: print(msg, flush=True)) if on else (lambda msg: None)
 
 
-def fail(message: str, code: int = 2, say: bool = True, cause: bool = True) -> None:
+def fail(message: str, code: int = 2, say: bool = True, cause: bool = True, at_once: bool = False) -> None:
     """Exit with `code` after one line on stderr (when `say`). Under torchrun the line also goes where the
     launcher looks for a worker's error (the file TORCHELASTIC_ERROR_FILE names, in the format of
     torch.distributed.elastic's `record`): its failure summary then shows this line as the cause, instead
     of a link to its documentation. Not when this rank only suffered the failure (`cause=False`: a peer
-    died): the file's time stamp would make torchrun name this rank as the first to fail."""
+    died): the file's time stamp would make torchrun name this rank as the first to fail. `at_once`: leave
+    without the interpreter's teardown (a stopped run: interrupt.py says why)."""
     if say:
         print(message, file=sys.stderr, flush=True)
     if cause and (path := os.environ.get("TORCHELASTIC_ERROR_FILE")):
@@ -114,6 +116,10 @@ def fail(message: str, code: int = 2, say: bool = True, cause: bool = True) -> N
                 json.dump({"message": info}, f)
         except OSError:  # the summary falls back to its link; the line above was said
             pass
+    if at_once:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     sys.exit(code)
 
 
@@ -121,11 +127,43 @@ def stop_every_rank(message: str) -> None:
     """An error that every rank found alike (a flag, a layout, a checkpoint they all read): alone, print it
     and exit 2. Under torchrun, rank 0 says it once and exits 2, so `torchrun ... && next` stops and a
     scheduler records a failure; the other ranks exit 0 at once, so torchrun's summary names one failure,
-    rank 0's, with this line as its cause (`fail`). With --max-restarts N, torchrun tries N more times."""
+    rank 0's, with this line as its cause (`fail`). With --max-restarts N, torchrun tries N more times.
+    The others leave without the interpreter's teardown (torch's can take longer than rank 0's wait on a
+    loaded machine, once the ranks have connected): nothing of theirs is left to finish."""
     world = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun
     if world == 1:
         fail(f"error: {message}")
     if int(os.environ.get("RANK", "0")) == 0:
         time.sleep(0.5)  # the others, exiting 0 meanwhile, are gone before torchrun sees rank 0 fail (it would
         fail(f"error: {message} (all {world} processes stopped)")  # stop them, and list each as a failure)
-    sys.exit(0)
+    fail("", 0, say=False, cause=False, at_once=True)
+
+
+# ----------------------------------------------------------------------------- signals before and after main
+
+
+def exit_on_signals_while_starting() -> None:
+    """A program's first act, before its heavy imports (torch takes seconds to load): until the program's own
+    handling replaces it (train.py: interrupt.Stop; data.py and sample.py: `interruptible`), SIGINT and SIGTERM
+    end the process at once, with one line and exit status 128 + the signal, instead of a KeyboardInterrupt
+    traceback (from every rank, under torchrun: the terminal signals them all) or a silent death. os._exit:
+    there is nothing to save yet, and the teardown of a half-imported torch is not one to run."""
+    def handle(signum, frame):
+        if os.environ.get("RANK", "0") == "0":  # (torchrun's workers: rank 0 says it)
+            print(f"stopped by {signal.Signals(signum).name} while starting, before any work; nothing to save",
+                  file=sys.stderr, flush=True)
+        os._exit(128 + signum)
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, handle)
+
+
+def interruptible() -> None:
+    """From here (a program's main, its imports done) Ctrl-C is Python's KeyboardInterrupt again, which the
+    program cleans up after on its way out and says in one line (`stopped`); SIGTERM ends it silently."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def stopped(what: str) -> None:
+    """A Ctrl-C that reached a program's main: one line (`what` happened; rank 0 says it), exit status 130."""
+    fail(f"stopped by SIGINT; {what}", 128 + signal.SIGINT, say=os.environ.get("RANK", "0") == "0", cause=False)

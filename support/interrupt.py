@@ -29,6 +29,12 @@ last complete checkpoint: a save is atomic (checkpoint.py), so one cut short is 
 repeat within REPEAT_S is the same Ctrl-C arriving twice: the terminal signals every process of the
 foreground group, and torchrun forwards the one it got to its workers too.
 
+Once the stop is complete (its checkpoint committed, its line said), the process leaves without the
+interpreter's teardown (os._exit, `Stopped.leave`): Python's finalization puts the default handlers back
+before it destroys torch's objects, so a Ctrl-C pressed again in those moments ended the process by the
+signal (exit status -2 to its parent) instead of the promised 130, and nothing is left to lose. Before
+main installs this handler, while the program's imports load, support/cli.py's stands in.
+
 When a peer fails, a collective raises (gloo) or never completes (NCCL: the step's bounded wait,
 `wait_for_device`): `peer_call` and `wait_until` make either one PeerError line (train.py: exit status 3).
 Every read of a collective's result by the host mid-run goes through `host_read`, which on NCCL waits
@@ -46,6 +52,8 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+
+from support import cli
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 REPEAT_S = 1.0  # a repeat within this is the same request, delivered twice
@@ -65,6 +73,13 @@ class Stopped(BaseException):
         else:
             text = f"stopped at step {step} by {name}; checkpoint saved; rerun the same command to continue"
         super().__init__(text)
+
+    def leave(self) -> None:
+        """Exit 128 + the signal, rank 0 saying why, once the stop is complete: without the interpreter's
+        teardown (the module docstring says why), the process group shut down first."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        cli.fail(str(self), self.code, say=int(os.environ.get("RANK", "0")) == 0, at_once=True)
 
 
 class Stop:

@@ -128,6 +128,51 @@ def test_legitimate_changes_on_resume_are_logged_with_their_effect(straight, cor
     assert "resume: --micro-batch-size 8 -> 4: a layout change" in resumed.stdout
 
 
+def resume_lines(saved: dict, **now) -> list[str]:
+    """What a resume says (reports.resume_changes) when a checkpoint of a run with config `saved` (TrainConfig
+    fields over the defaults) is resumed with `now`'s, at dp 4."""
+    from dataclasses import asdict
+    from types import SimpleNamespace
+
+    import config
+    from instruments import reports
+    grid = parallel.Grid(dp=4, rank=0)
+    run = SimpleNamespace(cfg=config.TrainConfig(**now), step=4, grid=grid, scaler=SimpleNamespace(enabled=False))
+    return reports.resume_changes(run, asdict(config.TrainConfig(**saved)), writer.layout_of(grid))
+
+
+def test_hybrid_zero_and_zero_plus_plus_changes_are_said_on_resume():
+    """--zero-shard 2 resumed at 4, and a ZeRO++ run (--hpz --qwz --qgz 8) resumed as plain --zero 3, said
+    nothing (the flag lists left them out), though qwZ and qgZ's quantization changes the math."""
+    assert resume_lines({"zero": 1, "zero_shard": 2}, zero=1, zero_shard=4) == [
+        "resume: --zero-shard 2 -> 4: a layout change: the same math; random streams (dropout) start afresh"]
+    lines = resume_lines({"zero": 3, "hpz": True, "qwz": True, "qgz": 8}, zero=3)
+    assert [line.split(":")[1] for line in lines] == [" --hpz True -> False", " --qwz True -> False", " --qgz 8 -> 0"]
+    assert "a layout change: the same math" in lines[0]
+    assert all("ZeRO++'s quantization" in line and "differ from the original run's" in line for line in lines[1:])
+    # the block size matters where something is quantized, and only there
+    assert len(resume_lines({"zero": 3, "qwz": True}, zero=3, qwz=True, quant_block=128)) == 1
+    assert resume_lines({"zero": 3}, zero=3, quant_block=128) == []
+
+
+def test_every_flag_is_classified_for_resume():
+    """Each flag of train.py is in one list of reports.py: said on resume with its effect (schedule, update,
+    layout, kernels, quantization), fixed by the checkpoint (a change is refused: train.checkpoint_meta), or
+    without effect on the math (reporting, cadence, paths, fault injection). A new flag that is in none
+    fails here, so that whether a resume must say it is decided, not forgotten."""
+    from dataclasses import fields
+
+    import config
+    from instruments import reports
+    lists = {name: getattr(reports, name) for name in ("SCHEDULE", "UPDATE", "LAYOUT", "KERNELS", "QUANTIZED",
+                                                        "FIXED", "UNSAID")}
+    flags = [f.name for f in fields(config.TrainConfig)]
+    for flag in flags:
+        found = [name for name, names in lists.items() if flag in names]
+        assert len(found) == 1, f"--{flag.replace('_', '-')} is in {found or 'none'} of reports.py's lists"
+    assert sorted(n for names in lists.values() for n in names) == sorted(flags)  # and nothing that is not a flag
+
+
 def test_a_changed_corpus_of_the_same_length_is_noticed_on_resume(corpus, tmp_path):
     text = Path(corpus["data"]).read_text()
     own = {"data": str(tmp_path / "corpus.txt"), "cache": corpus["cache"]}

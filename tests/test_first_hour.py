@@ -108,6 +108,21 @@ def test_a_flag_error_under_torchrun_exits_non_zero_said_once(corpus, tmp_path):
     assert 'train.py", line' not in result.stderr and not (tmp_path / "run.json").exists()
 
 
+def test_a_checkpoint_of_another_model_under_torchrun_is_said_once(corpus, tmp_path):
+    """The README's examples one after another in the same --out: the second, another model, is an incompatible
+    run. Under torchrun that line was said by every rank, and torchrun, seeing the first exit 2, killed the
+    others (exitcode -15 in its summary). Every rank finds it alike (they read the same checkpoint): rank 0
+    says it and exits 2, the others exit 0 quietly, as a flag error does."""
+    run_train(corpus, tmp_path, "--max-steps", "1", nproc=2)
+    result = run_train(corpus, tmp_path, "--max-steps", "1", "--n-layer", "2", nproc=2, check=False)
+    said = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(said) == 1 and "is from an incompatible run" in said[0], result.stderr[-3000:]
+    assert said[0].endswith("pass --fresh to start over (all 2 processes stopped)"), said[0]
+    assert result.returncode == 1 and f"traceback : {said[0]}" in result.stderr  # torchrun: one failure, rank 0's
+    assert "exitcode  : 2" in result.stderr and "exitcode  : -15" not in result.stderr, result.stderr[-3000:]
+    assert 'train.py", line' not in result.stderr
+
+
 # ----------------------------------------------------------------------------- data preparation
 
 

@@ -372,10 +372,11 @@ def test_data_and_pipeline_layouts_in_fp8_reproduce_one_process(layout, fp8_refe
     assert "formula matches measurement on every rank: yes" in result.stdout, result.stdout[-3000:]
 
 
-def fp8_scales(out) -> dict:
-    """The checkpointed fp8 state of every Linear's roles, by key (fp8.states, checkpoint.tensor_entries)."""
+def fp8_scales(out, step: int | None = None) -> dict:
+    """The checkpointed fp8 state of every Linear's roles, by key (fp8.states, checkpoint.tensor_entries), in the
+    latest checkpoint or that of `step`."""
     import checkpoint
-    reader = checkpoint.pin(checkpoint.latest(out / "ckpt"))
+    reader = checkpoint.pin(checkpoint.latest(out / "ckpt") if step is None else out / "ckpt" / f"step_{step:08d}")
     return {k: reader.full(k) for k in reader.entries if "::fp8." in k}
 
 
@@ -396,9 +397,9 @@ def test_tensor_and_context_parallel_fp8_cast_with_the_global_amax(corpus, tmp_p
     # x and w everywhere; the gradients of the last block, the backward's first casts (further down, the
     # roundings described below compound through the backward: up to 1.6% measured)
     checked = [k for k in histories if ".g." not in k or k.startswith("transformer.h.3.")]
-    for key in checked:  # a cp rank's loss is the mean over its half of the tokens: its gradients are 2x
-        want = one[key][0].item() * (2 if ".g." in key else 1)  # (scaling is blind to that: s halves too)
-        assert split[key][0].item() == pytest.approx(want, rel=1e-3), key
+    for key in checked:  # a cp rank's loss is the mean over its half of the tokens: its gradients are 2x, its
+        # scales half (the same bits), and the history is kept in one process's units (fp8.Scaling's unit)
+        assert split[key][0].item() == pytest.approx(one[key][0].item(), rel=1e-3), key
     (a,), (b,) = metrics(tmp_path / "one"), metrics(tmp_path / "tpcp")
     assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
     assert "formula matches measurement on every rank: yes" in result.stdout, result.stdout[-3000:]
@@ -419,6 +420,36 @@ def test_a_killed_fp8_run_resumes_bitwise_with_its_scales(fp8_reference, corpus,
     got = final_weights(tmp_path / "run")
     assert all(torch.equal(got[k], w) for k, w in ref_weights.items())
     assert fp8_scales(tmp_path / "run").keys()
+
+
+def test_delayed_scaling_resumes_across_a_change_of_data_parallelism(corpus, tmp_path):
+    """A data-parallel rank's loss is the mean over its share of the batch, so the output gradients it casts are
+    dp times one process's (its scales dp times smaller: the same fp8 bits). Their amax history is kept in one
+    process's units, so a checkpoint of dp 2 resumed at dp 1, and one of dp 1 resumed at dp 2, take step 3's
+    scales from the history exactly as an uninterrupted run of one process does. It was kept as cast: at dp 1
+    the scales from a dp 2 history were half of one process's for the history's length (resumed the other
+    way, twice theirs: the gradients saturated). Every history and scale of the step-3 checkpoint, and the
+    losses and saturated counts of steps 3 and 4, equal the uninterrupted run's (the scale of a dp 2 rank's
+    gradients: half of one process's)."""
+    flags = [*FP8[:-2], "--keep", "4"]
+    run_train(corpus, tmp_path / "one", *flags, "--ckpt-every", "1")
+    want, want_rows = fp8_scales(tmp_path / "one", step=3), metrics(tmp_path / "one")
+    for first, then in ((2, 1), (1, 2)):
+        out = tmp_path / f"dp{first}-dp{then}"
+        killed = run_train(corpus, out, *flags, "--ckpt-every", "2", "--crash-at", "step:3", nproc=first, check=False)
+        assert killed.returncode != 0
+        resumed = run_train(corpus, out, *flags, "--ckpt-every", "1", nproc=then)
+        assert "resuming from" in resumed.stdout and f"'dp': {first}" in resumed.stdout, resumed.stdout[-2000:]
+        got = fp8_scales(out, step=3)
+        assert got.keys() == want.keys()
+        for key, value in want.items():
+            unit = then if ".g.scale" in key else 1  # a gradient's scale at dp 2: half, for twice the values
+            assert torch.allclose(got[key] * unit, value, rtol=1e-4, atol=0), (first, then, key, got[key], value)
+        rows = metrics(out)[-2:]
+        for ref, row in zip(want_rows[2:], rows, strict=True):
+            assert row["loss"] == pytest.approx(ref["loss"], rel=1e-5), (first, then, row["step"])
+            if then == 1:  # (at dp 2 the count is rank 0's casts only)
+                assert row["fp8_overflow"] == ref["fp8_overflow"], (first, then, row["step"])
 
 
 def test_fp8_flags_are_refused_in_one_line_where_they_cannot_work():

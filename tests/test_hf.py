@@ -144,3 +144,83 @@ def test_init_from_a_llama_directory_at_tp2_starts_from_its_weights(corpus, tmp_
     theirs = hf.read_hf_weights(tmp_path / "hf")
     for name, w in final_weights(tmp_path / "run").items():
         assert torch.equal(w[: theirs[name].size(0)], theirs[name]), name
+
+
+# ----------------------------------------------------------------------------- what cannot be converted
+
+
+def export_command(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "instruments.hf", "export", *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("arch", [[], ["--preset", "llama-tiny"]])
+def test_a_mixture_of_experts_is_not_exported_as_a_dense_model(arch, corpus, tmp_path):
+    """GPT2LMHeadModel and LlamaForCausalLM have no routed experts: an MoE checkpoint is refused in one line
+    (exit 2), and no directory is left behind (it was a GPT-2 config with expert tensors, exit 0; under
+    Llama a KeyError and an empty directory)."""
+    run_train(corpus, tmp_path / "run", *arch, "--moe-experts", "4", "--max-steps", "1")
+    result = export_command(tmp_path / "run" / "ckpt", tmp_path / "hf")
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert result.stderr.startswith("error: ") and len(result.stderr.strip().splitlines()) == 1
+    assert "mixture of experts" in result.stderr and "Mixtral" in result.stderr
+    assert not (tmp_path / "hf").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny")
+    run_train(corpus, out, "--max-steps", "1")
+    return out
+
+
+def test_an_export_into_a_file_or_a_directory_it_cannot_make_is_one_line(tiny_run, tmp_path):
+    """A path that is a file (it was FileExistsError's traceback), and one under a file: one line, exit 2,
+    the file untouched and nothing else made."""
+    (tmp_path / "taken").write_text("mine")
+    for target in (tmp_path / "taken", tmp_path / "taken" / "hf"):
+        result = export_command(tiny_run / "ckpt", target)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+        assert result.stderr.startswith("error: ") and len(result.stderr.strip().splitlines()) == 1
+        assert str(tmp_path / "taken") in result.stderr
+    assert (tmp_path / "taken").read_text() == "mine" and [p.name for p in tmp_path.iterdir()] == ["taken"]
+
+
+def test_an_export_that_fails_half_way_leaves_nothing_behind(tiny_run, tmp_path, monkeypatch):
+    """The weights written, then a failure (a full disk, say) before config.json: the output directory is not
+    there, half-made, for transformers to trip over (and no temporary one either)."""
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(hf, "replace_atomically", full_disk)
+    with pytest.raises(OSError):
+        hf.export(tiny_run / "ckpt" / (tiny_run / "ckpt" / "latest").read_text(), tmp_path / "hf")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_hf_help_names_both_families():
+    result = subprocess.run([sys.executable, "-m", "instruments.hf", "--help"], cwd=ROOT, capture_output=True,
+                            text=True, check=True)
+    assert "LlamaForCausalLM" in result.stdout and "GPT2LMHeadModel" in result.stdout
+
+
+def test_a_vocabulary_tensor_shorter_than_the_vocabulary_is_refused(corpus, tmp_path):
+    """config.json says 257 tokens but wte holds 16 rows: the import padded every vocabulary tensor to the
+    padded size before checking its shape, so 241 tokens silently started from zero. Only the rows between
+    the true vocabulary and the padded one are zeros; a shorter tensor is one line, exit 2."""
+    from support.storage import read_safetensors, write_safetensors
+    hf_model().save_pretrained(tmp_path / "hf")
+    weights = {n: t.clone() for n, t in read_safetensors(tmp_path / "hf" / "model.safetensors").items()}
+    weights["transformer.wte.weight"] = weights["transformer.wte.weight"][:16]
+    write_safetensors(tmp_path / "hf" / "model.safetensors", weights)
+    result = run_train(corpus, tmp_path / "run", "--init-from", str(tmp_path / "hf"), "--max-steps", "1",
+                       check=False)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert "transformer.wte.weight has shape (16, 64)" in result.stderr and "257" in result.stderr
+
+
+def test_consolidate_into_a_directory_is_one_line(tiny_run, tmp_path):
+    result = subprocess.run([sys.executable, "-m", "instruments.checkpoints", "consolidate", str(tiny_run / "ckpt"),
+                             str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert result.stderr == f"error: {tmp_path} is a directory; name a file to write\n"

@@ -257,6 +257,19 @@ def test_bad_layouts_fail_clearly(nproc, flags, message, corpus, tmp_path):
     assert_stopped_once(result, message, nproc)
 
 
+def test_an_odd_seq_len_needs_no_context_parallelism(corpus, tmp_path):
+    """Only --cp 2 and more cut a sequence into 2*cp chunks: without it any --seq-len trains (31 was refused
+    with "--cp 1 cuts each sequence into 2*cp = 2 chunks"), and under it an odd one is still refused."""
+    import model as gpt
+    import shard
+    cfg = gpt.config_from_preset("tiny", 257)
+    shard.check_layout(cfg, parallel.Grid(rank=0), 31)
+    with pytest.raises(parallel.LayoutError, match="--cp 2 cuts each sequence into 2\\*cp = 4 chunks"):
+        shard.check_layout(cfg, parallel.Grid(cp=2, rank=0), 31)
+    run_train(corpus, tmp_path, "--seq-len", "31", "--max-steps", "1")
+    assert len(metrics(tmp_path)) == 1
+
+
 def assert_stopped_once(result, message: str, nproc: int) -> None:
     """A flag error: said once, before any data is read, and a non-zero exit (`torchrun ... && next` stops).
     Alone: exit 2, no traceback. Under torchrun: rank 0 says it and exits 2 (the others exit 0); torchrun

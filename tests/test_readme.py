@@ -18,7 +18,8 @@ README = (ROOT / "README.md").read_text()
 
 def readme_commands() -> tuple[list[str], list[str]]:
     """The lines of the README's train command and of its test command (its first two ```sh blocks)."""
-    section = README[README.index("## Two commands"):README.index("## What a run prints")]
+    start = README.index("## Two commands")
+    section = README[start:README.index("\n## ", start)]
     train, test = re.findall(r"^```sh\n(.*?)^```", section, re.S | re.M)[:2]
     return train.strip().splitlines(), test.strip().splitlines()
 

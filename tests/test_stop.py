@@ -6,15 +6,19 @@ The signals land at random steps (the seed is in the failure message): a stop mu
 falls, not at a step a test was tuned to.
 """
 
+import contextlib
 import json
 import os
 import random
 import re
 import signal
 import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import ROOT, final_weights, metrics, run_train, train_command
 
@@ -153,3 +157,64 @@ def test_under_torchrun_the_ranks_agree_on_the_step_they_stop_at(corpus, tmp_pat
     assert [r["loss"] for r in metrics(out)] == [r["loss"] for r in metrics(ref)], seed
     got, want = final_weights(out), final_weights(ref)
     assert all(torch.equal(got[k], want[k]) for k in want), seed
+
+
+# ----------------------------------------------------------------------------- before main, and after the stop
+
+
+def loading(pid: int, library: str) -> bool:
+    """Has process `pid` mapped a shared library whose path holds `library` (its import of it has begun)?"""
+    try:
+        return library in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:  # gone
+        return False
+
+
+STARTING = "stopped by SIGINT while starting, before any work; nothing to save"
+
+
+@pytest.mark.parametrize("program,library", [("train.py", "/torch/"), ("sample.py", "/torch/"),
+                                             ("data.py", "/numpy/")])
+def test_ctrl_c_while_a_program_imports_is_one_line(program, library, corpus, tmp_path):
+    """Ctrl-C in the first seconds, while the imports load (torch takes seconds; before main() installs
+    its handler) was a KeyboardInterrupt traceback, from every rank under torchrun. Now: one line, exit 130.
+    The signal is sent the moment the process has begun to load `library` (read from /proc, no sleep); if
+    it landed after the imports after all (the line says so: another line), the test runs again."""
+    args = {"train.py": ["--data", corpus["data"], "--cache-dir", corpus["cache"], "--out", str(tmp_path)],
+            "sample.py": ["--ckpt", str(tmp_path), "--device", "cpu"],
+            "data.py": ["--data", corpus["data"], "--cache-dir", str(tmp_path / "cache"), "--tokenizer", "byte"]}
+    for _ in range(20):
+        proc = subprocess.Popen([sys.executable, program, *args[program]], cwd=ROOT, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        while proc.poll() is None and not loading(proc.pid, library):
+            pass
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=300)
+        if STARTING in err or "Traceback" in err:  # it landed during the imports
+            break
+    assert "Traceback" not in err, err[-3000:]
+    assert proc.returncode == 130 and err.splitlines() == [STARTING], err[-3000:]
+
+
+def test_a_second_ctrl_c_after_the_stop_is_complete_still_exits_130(corpus, tmp_path):
+    """Once the stop's checkpoint is complete and its line said, the process leaves. Ctrl-C pressed again then
+    (here: every few milliseconds until it is gone) landed in the interpreter's teardown, after Python had put
+    the default handlers back: the process died by the signal (-2), not with the promised 130."""
+    proc = start(corpus, tmp_path, *LONG)
+    wait_for(proc, tmp_path, 1, 5)
+    proc.send_signal(signal.SIGINT)
+    lines = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr))
+    reader.start()
+    while proc.poll() is None and not any(line.startswith("stopped at step") for line in lines):
+        pass
+    while proc.poll() is None:  # the same key, again and again, until the process is gone
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGINT)
+        time.sleep(0.002)
+    reader.join()
+    proc.stdout.close()
+    err = "".join(lines)
+    assert proc.returncode == 130, (proc.returncode, err[-2000:])
+    step = stopped_step(err, tmp_path, signal.SIGINT)
+    storage.verify(tmp_path / "ckpt" / f"step_{step:08d}")
