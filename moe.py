@@ -87,6 +87,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from dropout import Dropout
+
 
 def capacity(T: int, k: int, n_experts: int, factor: float) -> int:
     """Assignments each expert takes from one sequence of T tokens (factor 0: all it could get, T)."""
@@ -178,7 +180,7 @@ class MoE(nn.Module):
         self.n_experts, self.top_k, self.capacity_factor = n_experts, top_k, capacity_factor
         self.router = nn.Linear(n_embd, n_experts, bias=False)
         self.experts = Experts(n_experts, n_embd, hidden, swiglu)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)  # dropout.py: the same mask at every layout
         self.exchange = self.gather = None
         self.aux = self.z = self.load = self.dropped = None
         self.rows_sent = 0  # kept assignments of the training forwards so far: what --comm-report's formula counts
