@@ -5,7 +5,8 @@ a (B, T, C) activation, and a whole training forward + backward of the model wit
     python tests/bench_dropout.py                        # CPU: mini (C 256), 8 x 128 tokens, 1 thread
     python tests/bench_dropout.py --device cuda --preset gpt2 --batch 16 --seq-len 1024
 
-Configurations alternate in rounds; medians (a shared machine only ever adds time). Not collected by pytest.
+Configurations alternate in rounds; medians. On a CPU the time is this thread's CPU time (what a shared
+machine's other processes add to wall time is not counted). Not collected by pytest.
 """
 
 import argparse
@@ -24,13 +25,16 @@ import model as gpt  # noqa: E402
 
 
 def timed(device: torch.device, fn, *args) -> float:
+    """Seconds fn(*args) took: on a GPU, wall time to the end of its kernels; on a CPU, this thread's
+    CPU time (torch runs on this one thread: --threads 1), which a busy machine's other processes
+    do not add to."""
     if device.type == "cuda":
         torch.cuda.synchronize()
-    start = time.perf_counter()
+    start = time.perf_counter() if device.type == "cuda" else time.thread_time()
     fn(*args)
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return time.perf_counter() - start
+    return (time.perf_counter() if device.type == "cuda" else time.thread_time()) - start
 
 
 def with_nn_dropout(m: gpt.GPT) -> gpt.GPT:
