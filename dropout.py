@@ -86,7 +86,9 @@ def step_key(seed: int, step: int, first_row: int, device: torch.device) -> Key:
 class Dropout(nn.Module):
     """nn.Dropout(p) of (B, T, C) activations, its mask a function of coordinates (see above): zero
     the dropped elements, scale the rest by 1 / (1 - p). `positions(T, start, device)` gives the
-    global positions of the T tokens (None: 0..T-1, one process's); `number` sets `site`."""
+    global positions of the T tokens (None: 0..T-1, one process's); `number` sets `site`. Outside a
+    `keyed` block the key is all zeros: a training loop of one's own keys each step (`step_key`), as
+    train.py does, or every step drops the same elements."""
     key = Key(torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.int64))  # in use now
 
     def __init__(self, p: float):
