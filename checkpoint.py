@@ -3,8 +3,9 @@
 A checkpoint is everything a run needs to continue as if it had never stopped: the weights, the
 optimizer's moments, the loss scaler, the step (which fixes the learning rate), every RNG, the
 data loader's position, the config and the tokenizer. Leave one out and a resumed run silently
-differs: without the loader position it sees batches twice; without the RNG, dropout and
-sampling change; without the scaler, fp16 starts over at a scale that overflows.
+differs: without the loader position it sees batches twice; without the RNG, whatever draws from
+it changes (dropout does not: its masks are keyed by step and place, dropout.py); without the
+scaler, fp16 starts over at a scale that overflows.
 
 On disk, one directory per checkpoint, one file per rank, and a manifest:
 

@@ -113,6 +113,18 @@ class ContextParallelPositions(Positions):
         return positions(T * self.grid.cp, self.grid.cp, self.grid.cp_rank, device) + start
 
 
+class ActivationPositions(ContextParallelPositions):
+    """The global positions of the T tokens this rank holds between the attention cores, where
+    dropout draws its masks by position (dropout.py): its two chunks, and under sequence
+    parallelism this tp rank's contiguous tp-th of them (shard.split_seq)."""
+
+    def forward(self, T: int, start: int, device: torch.device) -> torch.Tensor:
+        g = self.grid
+        if not g.sp_on:
+            return super().forward(T, start, device)
+        return super().forward(T * g.tp, start, device).chunk(g.tp)[g.tp_rank]
+
+
 class ContextParallelLoss(nn.Module):
     """The model's loss layer, given this rank's targets: the mean over its tokens. The slices are the
     same size, so the mean over the cp ranks (the gradient average, the reported loss) is the whole mean."""

@@ -31,9 +31,18 @@ ranks, only over the dp / ep that hold the same experts. They get buckets of the
 each rank's expert gradient already holds the losses of its whole ep group (their tokens came to it), so
 the sum over edp covers every rank's loss once.
 
-Hybrid ZeRO (`--zero-shard N`, zero.py): buckets are sharded over the N ranks of the `zs` group instead, and
-once reduced there, each shard is all-reduced over the `zr` group (the same shard in every other group), then
-divided by dp as always. ZeRO++'s qgZ replaces the reduce-scatter (`scatter`, zero.QuantizedReduceScatter).
+Hybrid ZeRO (`--zero-shard N`, zero.py): buckets are sharded over the N ranks of the `zs` group
+instead, and once reduced there, each shard is all-reduced over the `zr` group (the same shard in
+every other group), then divided by dp as always. That all-reduce is the traffic between nodes, the
+slow links, so it is not left for after the backward: a bucket's is launched as soon as its (last)
+reduce-scatter has landed, IN_FLIGHT buckets behind the newest, and overlaps the rest of the
+backward as they do:
+
+    backward   bucket 0 done   bucket 1 done   bucket 2 done: wait for rs 0   ...   finish: wait
+    zs (node)  rs 0 ────────   rs 1 ────────   rs 2 ──────
+    zr (net)                                   ar 0 ────────────   ar 1 ───   ...
+
+ZeRO++'s qgZ replaces the reduce-scatter (`scatter`, zero.QuantizedReduceScatter).
 
 Which rank's copy of a replicated tensor counts is one rule, `Grid.owns`, shared with the
 checkpoints (which save exactly the copies that count).
@@ -46,7 +55,7 @@ import torch
 from parallel import Grid
 from support.interrupt import peer_call
 
-IN_FLIGHT = 2  # ZeRO-2/3: whole-bucket buffers still being reduce-scattered before the backward waits
+IN_FLIGHT = 2  # ZeRO-2/3, hybrid ZeRO-1: reduce-scatters still in flight before the backward waits
 
 
 class Bucket:
@@ -129,7 +138,8 @@ class GradSync:
             for p, off in zip(b.params, b.offsets):
                 self.slot[p] = (b, off)
                 p.register_post_accumulate_grad_hook(self._on_grad)
-        # ZeRO-2/3, in flight: (bucket, received shard, work, the whole buffer it reads, kept alive till done)
+        # ZeRO-2/3 (and hybrid ZeRO-1), in flight: (bucket, received shard, work, the whole buffer
+        # it reads, kept alive till done, is it the step's last reduction of the bucket)
         self.pending = deque()
         self.on_reduced = None  # ZeRO-3: called with a bucket whose gradients are all in (frees its weights)
 
@@ -169,34 +179,45 @@ class GradSync:
 
     def _launch(self, b: Bucket) -> None:
         self.grid.observer.gradient_event("launch", self.buckets.index(b))
-        if self.zero >= 2:  # reduce into a fresh shard; the whole buffer is let go once that is done
-            if self.scatter is not None:
-                shard, work = self.scatter(b.main_grad), None
-            else:
-                shard = torch.empty(b.shard_size, device=b.device)
-                work = self.grid.reduce_scatter(shard, b.main_grad, b.group, async_op=True)
-            self.pending.append((b, shard, work, b.main_grad))
-            b.main_grad, b.ready = None, 0
-            if self.on_reduced is not None:
-                self.on_reduced(b)
+        # ZeRO-2/3 reduce only some backwards' gradients for good (the flag); ZeRO-1 only the last's
+        last = self.require_backward_grad_sync or self.zero < 2
+        if self.zero >= 2 or b.group == "zs":  # (hybrid ZeRO-1: the shard goes on to the replicas)
+            self.pending.append((b, *self._reduce_scatter(b), b.main_grad, last))
+            if self.zero >= 2:  # the whole buffer is let go once the reduce-scatter is done
+                b.main_grad, b.ready = None, 0
+                if self.on_reduced is not None:
+                    self.on_reduced(b)
+            b.launched = True
             while len(self.pending) > (IN_FLIGHT if self.overlap else 0):
                 self._receive()
             return
-        if self.zero and self.scatter is not None:
-            b.received = self.scatter(b.main_grad)
-        elif self.zero:  # each rank receives the sum of only its shard
-            b.received = torch.empty(b.shard_size, device=b.main_grad.device)
-            b.work = self.grid.reduce_scatter(b.received, b.main_grad, b.group, async_op=True)
+        if self.zero:  # each rank receives the sum of only its shard
+            b.received, b.work = self._reduce_scatter(b)
         else:
             b.work = self.grid.all_reduce(b.main_grad, b.group, async_op=True)
         b.launched = True
 
+    def _reduce_scatter(self, b: Bucket) -> tuple[torch.Tensor, object]:
+        """(this rank's shard of the bucket's sum over its group, a fresh buffer; work or None)"""
+        if self.scatter is not None:
+            return self.scatter(b.main_grad), None
+        shard = torch.empty(b.shard_size, device=b.device)
+        return shard, self.grid.reduce_scatter(shard, b.main_grad, b.group, async_op=True)
+
     def _receive(self) -> None:
-        """ZeRO-2/3: wait for the oldest reduce-scatter in flight and add its shard to this rank's."""
-        b, shard, work, _ = self.pending.popleft()  # the whole buffer (last item) is freed here
+        """Wait for the oldest reduce-scatter in flight and put its shard in this rank's (ZeRO-2/3
+        add it: each backward's is a part of the sum). Hybrid ZeRO: once the step's last one is
+        in, the shard's all-reduce over the replicas (`zr`, across nodes) is launched at once, so
+        that it too runs during the backward, as the buckets do; `finish` waits for it."""
+        b, shard, work, _, last = self.pending.popleft()  # the whole buffer (4th) is freed here
         if work is not None:
             peer_call(work.wait, what=self.grid.describe("the gradients' reduce_scatter", b.group))
-        b.shard_grad += shard
+        if self.zero >= 2:
+            b.shard_grad += shard
+        else:  # ZeRO-1: shard_grad is a view of main_grad, which the collective was reading
+            b.shard_grad.copy_(shard)
+        if last and b.group == "zs":
+            b.work = self.grid.all_reduce(b.shard_grad, "zr", async_op=True)
 
     def finish(self) -> None:
         """After the last backward: launch what is left (everything, without overlap), wait, average,
@@ -208,13 +229,12 @@ class GradSync:
         while self.pending:
             self._receive()
         for b in self.buckets:
-            if b.work is not None:
-                op = "reduce_scatter" if self.zero else "all_reduce"
-                peer_call(b.work.wait, what=self.grid.describe(f"the gradients' {op}", b.group))
-            if self.zero == 1:
+            if b.work is not None:  # hybrid: the replicas' all-reduce; else the group's reduction
+                op, group = ("all_reduce", "zr") if b.group == "zs" else \
+                    ("reduce_scatter" if self.zero else "all_reduce", b.group)
+                peer_call(b.work.wait, what=self.grid.describe(f"the gradients' {op}", group))
+            if self.zero == 1 and b.group != "zs":
                 b.shard_grad.copy_(b.received)
-            if b.group == "zs":  # hybrid ZeRO: the shard group's sum, then the replicas' (across nodes)
-                self.grid.all_reduce(b.shard_grad, "zr")
             if self.zero:
                 b.shard_grad /= self.grid.dp_cp
             else:

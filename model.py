@@ -56,6 +56,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from dropout import Dropout, keyed, number
 from fp8 import fp8_linear
 from kernels import attention, attention_packed, unpack_qkv
 from lmhead import lm_head_loss
@@ -185,16 +186,17 @@ class Recompute(torch.autograd.Function):
     run fn again, this time recording, and back-propagate through that copy. Memory: fn's inputs
     instead of all its intermediate activations. Cost: one more forward of fn.
 
-    The second forward must compute exactly what the first did: the same dropout masks (the random
-    state from before the first run is restored for the second, then put back), and the same dtypes
-    (autocast is on in the forward, off in the backward, so its state is recorded and re-entered)."""
+    The second forward must compute exactly what the first did: the same dropout masks (a mask is
+    a function of the dropout key and each element's place, dropout.py: the first run's key is set
+    again for the second), and the same dtypes (autocast is on in the forward, off in the backward,
+    so its state is recorded and re-entered)."""
 
     @staticmethod
     def forward(ctx, fn, *inputs):
         device = inputs[0].device
         ctx.fn, ctx.device = fn, device
         ctx.autocast = torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)
-        ctx.rng = torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        ctx.key = Dropout.key
         ctx.save_for_backward(*inputs)
         with torch.no_grad():
             return fn(*inputs)
@@ -202,12 +204,8 @@ class Recompute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         inputs = [x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors]
-        cuda = [ctx.device] if ctx.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=cuda), torch.enable_grad(), \
+        with keyed(ctx.key), torch.enable_grad(), \
                 torch.autocast(ctx.device.type, dtype=ctx.autocast[1], enabled=ctx.autocast[0]):
-            torch.set_rng_state(ctx.rng[0])
-            if cuda:
-                torch.cuda.set_rng_state(ctx.rng[1], ctx.device)
             outputs = ctx.fn(*inputs)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         torch.autograd.backward(outputs, grads)  # parameters' gradients accumulate (and their hooks fire) here
@@ -307,7 +305,7 @@ class CausalSelfAttention(nn.Module):
         width = (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim
         self.c_attn = Linear(cfg.n_embd, width, bias=not cfg.llama)
         self.c_proj = Linear(cfg.n_embd, cfg.n_embd, bias=not cfg.llama)
-        self.resid_dropout = nn.Dropout(cfg.dropout)
+        self.resid_dropout = Dropout(cfg.dropout)
         # Llama: RoPE, and the share of kv heads among the projection's heads (so that a tensor-parallel
         # rank, holding H/tp query and H_kv/tp kv heads, finds its own)
         self.positions = Positions() if cfg.llama else None
@@ -351,7 +349,7 @@ class MLP(nn.Module):
         self.swiglu = cfg.llama
         self.c_fc = Linear(cfg.n_embd, (2 if cfg.llama else 1) * cfg.hidden, bias=not cfg.llama)
         self.c_proj = Linear(cfg.hidden, cfg.n_embd, bias=not cfg.llama)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
@@ -393,7 +391,7 @@ class GPT(nn.Module):
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(cfg.padded_vocab, cfg.n_embd, _weight=torch.empty(cfg.padded_vocab, cfg.n_embd)),
             wpe=nn.Embedding(cfg.block_size, cfg.n_embd, _weight=torch.empty(cfg.block_size, cfg.n_embd)),
-            drop=nn.Dropout(cfg.dropout),
+            drop=Dropout(cfg.dropout),
             h=nn.ModuleList([Block(cfg, i) for i in range(cfg.n_layer)]),
             ln_f=norm(cfg),
         ))
@@ -404,6 +402,7 @@ class GPT(nn.Module):
             self.lm_head.weight = self.transformer.wte.weight  # weight tying, as in GPT-2
         self.loss = CrossEntropy()  # shard.py swaps in the vocab-parallel loss
         self.gather_vocab = nn.Identity()  # ...and an all-gather of the vocab shards, for sampling
+        number(self)  # each dropout's site: its place in the whole model, whatever a layout keeps
 
     # The forward in three seams, so a pipeline stage can run only its part.
     def embed(self, idx: torch.Tensor, start: int = 0) -> torch.Tensor:
@@ -541,6 +540,8 @@ def materialize(model: GPT, seed: int, device: torch.device | str = "cpu", shard
                 done[id(param)] = nn.Parameter(value, requires_grad=param.requires_grad)
                 done[id(param)].__dict__.update(param.__dict__)  # keep tags such as shard.py's `shard`
             setattr(module, pname, done[id(param)])
+        for bname, buf in module.named_buffers(recurse=False):  # dropout's site, made whole
+            setattr(module, bname, buf.to(device))
     return model
 
 

@@ -98,6 +98,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from dropout import Dropout
 from support import interrupt
 
 
@@ -191,7 +192,7 @@ class MoE(nn.Module):
         self.n_experts, self.top_k, self.capacity_factor = n_experts, top_k, capacity_factor
         self.router = nn.Linear(n_embd, n_experts, bias=False)
         self.experts = Experts(n_experts, n_embd, hidden, swiglu)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)  # dropout.py: the same mask at every layout
         self.exchange = self.gather = None
         self.grid = None  # where there are other ranks (shard.py): bounds the read of the device
         self.aux = self.z = self.load = self.dropped = None

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+import dropout
 import model as gpt
 from parallel import Grid, LayoutError
 from shard import rank_layers
@@ -323,7 +324,8 @@ class Pipeline:
     def forward(self, op: Op, x: torch.Tensor | None, state: RunState) -> torch.Tensor:
         """Micro-batch op[1] through this stage; returns the activation for the stage after."""
         (which, first, last), i, model = self.place(op), op[1], self.model
-        with self.grid.observer.span("F"), torch.set_grad_enabled(state.train), state.autocast:
+        with self.grid.observer.span("F"), torch.set_grad_enabled(state.train), state.autocast, \
+                dropout.rows(i * len(state.micro[0])):  # its rows' place, for dropout.py
             x = model.embed(state.micro[i][:, :-1]) if first else x.requires_grad_(state.train)
             y = model.blocks(x, which=which)
             if last:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 import context
 import model as gpt
 import moe
+from dropout import Dropout
 from lmhead import lm_head_loss
 from parallel import GRIDS, Grid, LayoutError
 
@@ -396,6 +397,10 @@ def build_model(cfg: gpt.GPTConfig, grid: Grid, seed: int, device: torch.device,
         apply_expert_parallel(model, grid)
     for layer in moe.layers_of(model):  # with peers, its read of the counts is bounded (moe.py)
         layer.grid = grid if grid.world > 1 else None
+    if grid.cp > 1 or grid.sp:  # a rank's tokens are not 0..T-1: dropout by global positions
+        for m in model.modules():
+            if isinstance(m, Dropout):
+                m.positions = context.ActivationPositions(grid)
     specs = {name: getattr(p, "shard", None) for name, p in model.named_parameters(remove_duplicate=False)}
     return gpt.materialize(model, seed, device, shard_fn=lambda name, full: take_shard(full, specs[name]),
                            values=values)

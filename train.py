@@ -54,6 +54,7 @@ from tqdm import tqdm
 import checkpoint
 import config
 import data
+import dropout
 import fp8
 import gradients
 import model as gpt
@@ -171,7 +172,7 @@ def setup(cfg: config.TrainConfig, arch: dict | None = None, init_values=None) -
     rundir.check_out(out)
     parallel.connect(grid, cfg.timeout, cfg.crash_at)
     lock, run_id = rundir.claim_on_every_rank(out, cfg.fresh, grid, log)
-    torch.manual_seed(cfg.seed)  # dropout's stream; the same on every rank, as tensor parallelism needs
+    torch.manual_seed(cfg.seed)  # (dropout draws from none of these: dropout.py)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     prepared = grid.rank0_first(lambda: data.prepare(data.DataConfig(
@@ -266,7 +267,9 @@ def forward_backward(run: Run, batch: torch.Tensor) -> torch.Tensor:
     rank's mean loss over its micro-batches (0 on pipeline stages without the loss)."""
     micro = batch.split(run.cfg.micro_batch_size)  # rows of T + 1 tokens: inputs and next-token targets
     moe.begin_step(run.model, run.scaler.scale / len(micro))  # experts: their router losses' share (moe.RouterLoss)
-    with cast_once(run):
+    first_row = run.grid.dp_rank * len(batch)  # this rank's, in the global batch: dropout's key
+    key = dropout.step_key(run.cfg.seed, run.step, first_row, run.device)
+    with cast_once(run), dropout.keyed(key):
         return accumulate(run, micro, train=True, scale=run.scaler.scale)
 
 
@@ -284,7 +287,7 @@ def accumulate(run: Run, micro: list[torch.Tensor], train: bool, scale: float = 
     for i, mb in enumerate(micro):
         if run.sync is not None:  # communicate only during the last micro-batch's backward
             run.sync.require_backward_grad_sync = i == len(micro) - 1
-        with run.grid.observer.span("F"), run.autocast:
+        with run.grid.observer.span("F"), run.autocast, dropout.rows(i * len(micro[0])):
             _, loss = run.model(mb[:, :-1], mb[:, 1:])
         if train:
             with run.grid.observer.span("B"):

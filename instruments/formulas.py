@@ -239,7 +239,7 @@ def activation_bytes(seq_len: int, micro_batch: int, d_model: int, n_head: int, 
         the same buffer) 1, GELU's input 4 and output 4 (the MLP is 4h wide)         12 s b h / t
         the softmax probabilities, math backend only (flash kernels keep none)        a s^2 b / t
         dropout masks (dropout > 0), two residual dropouts of `mask_bytes` per element   2 s b h   (/t under SP)
-          (CUDA's fused dropout keeps a 1-byte mask; the CPU's keeps it in the activations' dtype)
+          (a bool, 1 byte, on every device: dropout.py's mask, as CUDA's fused dropout keeps)
     So with a flash kernel and no dropout, 16 elements per s b h, whatever the sequence length. A
     LayerNorm keeps its input in the residual stream's dtype, which is the parameters' (fp32 in
     train.py; 16-bit parameters keep a 16-bit stream: the embedding starts it), and on CUDA

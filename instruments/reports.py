@@ -166,15 +166,15 @@ def resume_changes(run, saved: dict, saved_layout: dict) -> list[str]:
         elif name in UPDATE:
             effect = "the updates from here on differ from the original run's"
         elif name in LAYOUT:
-            effect = "a layout change: the same math; random streams (dropout) start afresh"
+            effect = "a layout change: the same math, dropout's masks included"
         elif name in QUANTIZED:
             effect = "ZeRO++'s quantization changes the math: the updates from here on differ from the original run's"
         else:
             effect = "the same math up to floating-point rounding"
         lines.append(change + effect)
     if saved_layout != writer.layout_of(run.grid):
-        lines.append(f"resume: layout {saved_layout} -> {writer.layout_of(run.grid)}: the same math; random "
-                     "streams (dropout) start afresh")
+        lines.append(f"resume: layout {saved_layout} -> {writer.layout_of(run.grid)}: the same math, dropout's "
+                     "masks included")
     if run.scaler.enabled and saved.get("loss_scale") != cfg.loss_scale:
         lines.append(f"resume: --loss-scale {cfg.loss_scale:g} is not used: the checkpoint's loss scale "
                      f"{run.scaler.scale:g} continues")
@@ -251,7 +251,7 @@ def memory_report(run, memory: dict) -> str:
     cuda = run.device.type == "cuda"
     residual = next(run.model.parameters()).dtype.itemsize  # the stream the LayerNorms read (activation_bytes)
     ours, paper = formulas.activation_formula(run.model_cfg, cfg.seq_len // grid.cp, cfg.micro_batch_size, grid.tp,
-                                              grid.sp, cfg.recompute, cfg.attn, elem, 1 if cuda else elem,
+                                              grid.sp, cfg.recompute, cfg.attn, elem, 1,
                                               4 if cuda else residual, fused_norm=cuda, residual_bytes=residual)
     formula, acts = formulas.state_formula(run.model, run.opt, run.sync, grid), memory["activations"]
     cp = (f"cp {grid.cp_rank}, " if grid.cp > 1 else "") + (f"ep {grid.ep_rank}, " if grid.ep > 1 else "")

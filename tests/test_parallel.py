@@ -88,6 +88,28 @@ def test_layout_reproduces_single_process(layout, references, corpus, tmp_path):
     assert "formula matches measurement on every rank: yes" in result.stdout, result.stdout[-3000:]
 
 
+
+# Dropout on: each element's mask is a function of its global coordinates (dropout.py), so every layout
+# drops what one process drops: other rows (dp), two far-apart chunks of each sequence (cp), a tp-th of
+# it on ranks whose other activations are replicas (tp + sp), blocks recomputed by another stage's
+# schedule (pp).
+DROPOUT = ["--dropout", "0.1"]
+DROPOUT_LAYOUTS = {
+    "dp2": (2, []),
+    "cp2": (2, ["--cp", "2"]),
+    "tp2-sp": (2, ["--tp", "2", "--sp"]),
+    "pp2-recompute-full": (2, ["--pp", "2", "--micro-batch-size", "2", "--recompute", "full"]),
+}
+
+
+@pytest.mark.parametrize("layout", DROPOUT_LAYOUTS)
+def test_dropout_reproduces_single_process(layout, references, corpus, tmp_path):
+    nproc, flags = DROPOUT_LAYOUTS[layout]
+    run_train(corpus, tmp_path, *STEPS, *DROPOUT, *flags, nproc=nproc)
+    assert_same_run(references(*DROPOUT), tmp_path)
+    plain, dropped = references()[0], references(*DROPOUT)[0]  # and dropout did something
+    assert all(a["loss"] != b["loss"] for a, b in zip(plain, dropped))
+
 def test_gradient_buckets_overlap_the_backward(corpus, tmp_path):
     """With overlap, buckets are launched while backward is still running; without, none are."""
     flags = ["--max-steps", "1", "--comm-report", "--bucket-mb", "0.05"]

@@ -34,6 +34,23 @@ def test_buckets_overlap_the_backward_and_no_overlap_waits_for_it(overlap, corpu
         assert all(c[5] <= optimizer_start for c in grads)  # every gradient is in before the update
 
 
+
+@pytest.mark.parametrize("zero", ["1", "2"])
+def test_hybrid_zero_all_reduces_across_groups_inside_the_backward(zero, corpus, tmp_path):
+    """Hybrid ZeRO (shard groups of 2, two "nodes"): each bucket's all-reduce across the groups (zr), the
+    traffic that leaves the node, is launched as soon as its reduce-scatter in the group has landed, while
+    the backward still runs, not all of them after it; every one is in before the update."""
+    run_train(corpus, tmp_path, *FLAGS, "--zero", zero, "--zero-shard", "2", "--gpus-per-node", "2", nproc=4)
+    record = json.loads((tmp_path / "timeline.json").read_text())
+    for rank in record["ranks"]:
+        backward_end = max(end for name, _, end in rank["spans"] if name == "B")
+        replicas = [c for c in rank["comms"] if c[0] == "all_reduce" and c[1] == "zr"]
+        assert len(replicas) > 2  # one per bucket, once a step
+        early = [c for c in replicas if c[4] < backward_end]
+        assert len(early) > 0, (len(early), len(replicas))
+        optimizer_start = next(start for name, start, _ in rank["spans"] if name == "O")
+        assert all(c[5] <= optimizer_start for c in replicas)
+
 def test_waiting_for_a_peer_is_told_apart_from_the_transfer():
     # rank 0 launches an all-reduce at 1.0, rank 1 only at 3.0; both see it done at 4.0
     comm = lambda launch, done: ["all_reduce", "dp", [0, 1], 16, launch, done]
