@@ -2,14 +2,14 @@
 
     python sample.py --ckpt out                                   # the run in out/: its newest checkpoint
     python sample.py --ckpt out --prompt "def " --tokens 100 --temperature 0.7 --top-k 40 --seed 7
-    python sample.py --hf gpt2-dir --temperature 0                # e.g. what `checkpoint.py export-hf` wrote
+    python sample.py --hf gpt2-dir --temperature 0      # e.g. what `python -m instruments.hf export` wrote
     torchrun --nproc-per-node 4 sample.py --ckpt out --tp 2 --pp 2   # the model split over 4 processes
 
 Nothing about the model is repeated on the command line. A checkpoint's manifest records the
 architecture (`meta.model`), the tokenizer (`meta.tokenizer`, an identity the loaded tokenizer must
 match: a model is only valid with its own) and the run's flags (`meta.config`, whose --cache-dir holds
 the GPT-2 tokenizer's file). A Hugging Face directory has its config.json, and the tokenizer under
-"nanoscale" when checkpoint.py exported it (plain GPT-2 otherwise).
+"nanoscale" when instruments/hf.py exported it (plain GPT-2 otherwise).
 
 A run that is still training can be sampled: the checkpoint read is pinned (checkpoint.pin: its files
 mapped, then checked), so the run deleting it beyond --keep cannot pull it away mid-read, and one that
