@@ -2,7 +2,7 @@
 
     python sample.py --ckpt out                                   # the run in out/: its newest checkpoint
     python sample.py --ckpt out --prompt "def " --tokens 100 --temperature 0.7 --top-k 40 --seed 7
-    python sample.py --hf hf-dir --temperature 0       # what `instruments.hf export` wrote
+    python sample.py --hf gpt2-dir --temperature 0      # e.g. what `python -m instruments.hf export` wrote
     torchrun --nproc-per-node 4 sample.py --ckpt out --tp 2 --pp 2   # the model split over 4 processes
 
 Nothing about the model is repeated on the command line. A checkpoint's manifest records the
