@@ -235,6 +235,8 @@ def memory_report(run, memory: dict) -> str:
         lines.append(f"  allocator: {acts.allocated:,} bytes more held after the blocks' forward than before it")
     if run.gather is not None and run.gather.hpz:
         lines.append(hpz_memory_line(run.gather))
+    if getattr(run, "memory", None) is not None:  # --mem-ckpt-every: host memory, not the device's
+        lines.append("  " + run.memory.describe())
     lines.append("  ZeRO paper (16-bit weights and gradients, K = 12): 2Ψ+2Ψ+12Ψ (no ZeRO), 2Ψ+2Ψ+12Ψ/N (1), "
                  "2Ψ+(2Ψ+12Ψ)/N (2), (2Ψ+2Ψ+12Ψ)/N (3)")
     return "\n".join(grid.gather_objects("\n".join(lines)))  # text, once, after the step
