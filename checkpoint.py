@@ -37,6 +37,12 @@ Saving costs the training loop only a copy: support/writer.py's `Saver` copies t
 to the host (on a GPU, on a side stream, fenced before the next update) and writes them, from a
 background thread with --async-ckpt.
 
+Above the disk, a tier in host memory (--mem-ckpt-every; support/memory.py keeps the bytes and sends
+a copy to another node): every few steps each rank snapshots every tensor it holds, those its peers
+hold alike too (`tensor_entries(every_copy=True)`: a restart reads nothing from the others), and
+`restore` takes the snapshot first where it is as new as the disk's; it is valid at the layout and
+rank that wrote it, so it goes back without resharding (`from_memory`).
+
 The format is sharded from day one: each tensor entry records which slice of the full tensor
 the file holds (`shard`: split `dim` into `count` parts, optionally within `groups` blocks, keep
 part `index`; `flat`: a range of the flattened slice, for ZeRO), so a checkpoint written by one

@@ -357,32 +357,53 @@ class Tier:
         for row in table:
             for note in row["notes"]:
                 self.log(note)
-        step, self.why = self.agreed(table)
-        if step is None:
-            return None
-        needy = [r for r in range(self.grid.world) if step not in table[r]["own"]]
-        problem, mine = "", own.get(step)
+        refused = set()  # steps a rank's bytes did not verify: the next newest is tried
+        while True:
+            step, self.why = self.agreed(table, refused)
+            if step is None:
+                return None
+            needy = [r for r in range(self.grid.world) if step not in table[r]["own"]]
+            if got := self.fetch(step, own, held, needy):
+                manifest, raw = got
+                path = self.own / f"step_{step:08d}" / next(iter(manifest["files"]))
+                state = json.loads(storage.safetensors_metadata(path, raw)["nanoscale_state"])
+                return storage.safetensors_tensors(raw, path), state, manifest, self.where(step, needy)
+            refused.add(step)
+
+    def fetch(self, step: int, own: dict, held: dict, needy: list[int]) -> tuple[dict, np.ndarray] | None:
+        """This rank's snapshot of `step`, its bytes checked against their sha256 now (as they are read): its own
+        copy, or (a rank in `needy`) the one its partner holds, checked by the partner, sent, and checked again.
+        Collective: None on every rank when any rank's bytes did not verify (each said in one line)."""
+        mine, send, problem = None, None, ""
         try:
-            send = held[step] if self.per_node and self.ward in needy else None
+            if step in own:
+                mine = checked(*own[step])
+            if self.per_node and self.ward in needy:
+                send = checked(*held[step])
+        except CheckpointError as e:
+            problem = f"memory snapshot unusable: {e}"
+        if not self.all_well(problem):  # (before the transfer: a partner with nothing to send sends nothing)
+            return None
+        try:
             got = self.transfer(step, send and (json.dumps(send[0]).encode(), send[1]), self.grid.rank in needy,
                                 f"the memory snapshot of step {step} from a partner")
             if got is not None:
                 mine = self.take_back(*got, step)
         except CheckpointError as e:
-            problem = f"rank {self.grid.rank}'s copy from its partner: {e}"
-        if problems := [p for p in self.grid.gather_objects(problem) if p]:
-            self.why = problems[0]
-            return None
-        manifest, raw = mine
-        name = next(iter(manifest["files"]))
-        path = self.own / f"step_{step:08d}" / name
-        state = json.loads(storage.safetensors_metadata(path, raw)["nanoscale_state"])
-        return storage.safetensors_tensors(raw, path), state, manifest, self.where(step, needy)
+            problem = f"rank {self.grid.rank}'s copy from its partner is unusable: {e}"
+        return mine if self.all_well(problem) else None
+
+    def all_well(self, problem: str) -> bool:
+        """Every rank's problem ("" for none), said by rank 0; True when there is none anywhere."""
+        problems = [p for p in self.grid.gather_objects(problem) if p]
+        for p in problems:
+            self.log(p)
+        return not problems
 
     def scan(self, folder: Path, rank: int) -> dict:
-        """The complete snapshots in `folder` that rank `rank` of this run wrote at this layout, each checked
-        (manifest, then the mapped data against its sha256): step -> (manifest, mapped bytes); "notes": a line for
-        each one refused. Another run's are deleted: this run holds --out, and the directory is --out's."""
+        """The complete snapshots in `folder` that rank `rank` of this run wrote at this layout, their manifests
+        checked (their bytes are, when they are used: `checked`): step -> (manifest, data file); "notes": a line
+        for each one refused. Another run's are deleted: this run holds --out, and the directory is --out's."""
         found, notes = {}, []
         for path in sorted(p for p in folder.glob("step_*") if STEP.fullmatch(p.name)) if folder.is_dir() else []:
             try:
@@ -396,28 +417,27 @@ class Tier:
                     notes.append(f"memory snapshot {path} was taken at another layout ({manifest['layout']}, rank "
                                  f"{manifest['rank']}; this is {self.layout}, rank {rank}): not used")
                     continue
-                (name, want), = manifest["files"].items()
-                raw = storage.map_file(path / name)
-                storage.verify_mapped(raw, want, path / name)
-                found[manifest["step"]] = (manifest, raw)
-            except (OSError, ValueError, CheckpointError) as e:
+                found[manifest["step"]] = (manifest, path / next(iter(manifest["files"])))
+            except (OSError, CheckpointError) as e:
                 notes.append(f"memory snapshot {path} unusable: {e}")
         return {**found, "notes": notes}
 
-    def agreed(self, table: list[dict]) -> tuple[int | None, str]:
+    def agreed(self, table: list[dict], refused: set) -> tuple[int | None, str]:
         """The newest step every rank can restore, by its own copy or by the one its partner holds, if it is
-        not older than the newest disk checkpoint; else (None, why: "" when there is nothing to say)."""
+        not older than the newest disk checkpoint (and its bytes were not `refused`); else (None, why: "" when
+        there is nothing to say)."""
         world, disk = self.grid.world, max(row["disk"] for row in table)
         reach = [set(table[r]["own"]) | (set(table[(r + self.per_node) % world]["held"]) if self.per_node else set())
                  for r in range(world)]
-        common = set.intersection(*reach)
+        common = set.intersection(*reach) - refused
         if not any(reach) and disk < 0:
             return None, ""  # a new run
         if not common:
             lost = [str(r) for r in range(world) if not reach[r]]
-            who = (f"rank{'s' if len(lost) > 1 else ''} {', '.join(lost)} {'have' if len(lost) > 1 else 'has'} no "
-                   "snapshot, of its own or on its partner" if lost else "no step is held for every rank")
-            return None, who
+            if lost:
+                return None, (f"rank{'s' if len(lost) > 1 else ''} {', '.join(lost)} "
+                              f"{'have' if len(lost) > 1 else 'has'} no snapshot, of its own or on its partner")
+            return None, ("no snapshot every rank has verified" if refused else "no step is held for every rank")
         if max(common) < disk:
             return None, (f"the newest snapshot every rank has (step {max(common)}) is older than the disk "
                           f"checkpoint of step {disk}")
@@ -481,6 +501,17 @@ class Tier:
 def as_tensor(b: bytes | np.ndarray) -> torch.Tensor:
     """Bytes as a uint8 tensor for gloo (a mapped file's without a copy)."""
     return torch.from_numpy(b) if isinstance(b, np.ndarray) else torch.frombuffer(bytearray(b), dtype=torch.uint8)
+
+
+def checked(manifest: dict, file: Path) -> tuple[dict, np.ndarray]:
+    """A snapshot's data file, mapped, and its bytes checked against the manifest (what is checked is what is
+    read): (manifest, bytes)."""
+    try:
+        raw = storage.map_file(file)
+    except OSError as e:
+        raise CorruptCheckpoint(f"{file} is unreadable ({e.strerror or e})") from None
+    storage.verify_mapped(raw, manifest["files"][file.name], file)
+    return manifest, raw
 
 
 def parse(text: bytes, where: Path) -> dict:

@@ -247,7 +247,8 @@ def test_a_damaged_snapshot_is_refused_by_its_sha256_and_the_one_before_serves(t
     notes = []
     found = tier(tmp_path, said=notes).restore(-1)
     assert found[2]["step"] == 2
-    assert len(notes) == 1 and "step_00000004 unusable" in notes[0] and "sha256" in notes[0]
+    assert len(notes) == 1 and notes[0].startswith("memory snapshot unusable: ") and "step_00000004" in notes[0]
+    assert "does not match its sha256" in notes[0]
 
 
 def test_another_runs_snapshot_is_refused_in_one_line_and_deleted(tmp_path):
