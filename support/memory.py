@@ -434,9 +434,10 @@ class Tier:
             return None, ""  # a new run
         if not common:
             lost = [str(r) for r in range(world) if not reach[r]]
+            if len(lost) == 1:
+                return None, f"rank {lost[0]} has no snapshot, of its own or on its partner"
             if lost:
-                return None, (f"rank{'s' if len(lost) > 1 else ''} {', '.join(lost)} "
-                              f"{'have' if len(lost) > 1 else 'has'} no snapshot, of its own or on its partner")
+                return None, f"ranks {', '.join(lost)} have no snapshot, of their own or on their partners"
             return None, ("no snapshot every rank has verified" if refused else "no step is held for every rank")
         if max(common) < disk:
             return None, (f"the newest snapshot every rank has (step {max(common)}) is older than the disk "
