@@ -15,11 +15,12 @@ rank's model takes it back, is checkpoint.py's (`to_memory`, `from_memory`).
       a thread     writes rank/.tmp-step_N/ (the data file hashed as it is written, a sealed manifest)
                    and renames it rank/step_N/; sends it to its partner, receives its ward's, checks
                    it, keeps it in held-rank/step_N/
-    a restart      every rank says what it can restore: its own snapshots (checked) and the copies it
-                   holds (checked); all take the newest step every rank has, as its own or on its
-                   partner; as new as the newest disk checkpoint or newer: memory, else disk. A rank
-                   whose copy is gone (its node was replaced) receives it from its partner, which
-                   checked it, and checks it again.
+    a restart      every rank says what it can restore: its own snapshots and the copies it holds
+                   (their manifests checked); all take the newest step every rank has, as its own or
+                   on its partner; as new as the newest disk checkpoint or newer: memory, else disk.
+                   Its bytes are checked against their sha256 as they are read (one that fails: the
+                   next newest step). A rank whose copy is gone (its node was replaced) receives it
+                   from its partner, which checked it, and checks it again.
 
 The partner is the same local rank on the next node (--gpus-per-node says what a node is): rank r's
 copy lives on rank (r + g) mod world, so losing one node loses no snapshot. On one node there is no
@@ -45,16 +46,20 @@ Why each choice:
   at another layout the disk checkpoint serves, which any layout can read.
 - A snapshot is whole or absent: the data file, then the manifest (its sha256 and the file's), then
   the rename. A kill at any instant leaves a .tmp- directory, which nothing reads.
-- Bounded: per rank, its newest complete snapshot, and the one being written (the same of the copy it
-  holds). A round starts only when every rank finished the last one (the loop's agreement), so at a
-  kill every rank has the snapshot before the newest, and some the newest: the ranks agree on the
-  newest that all of them have. --memory-report names the bytes.
+- Bounded: per rank, its newest whole snapshot and the one being written (the same of the copy it
+  holds): at most two of each; a round deletes the older before it writes. A round starts only when
+  every rank has finished the last one (the loop's agreement), so at a kill every rank has the snapshot
+  before the newest, and some the newest: the ranks agree on the newest all of them have. A rank whose
+  write fails still takes part in the exchange, sending nothing (its partner must not wait for it).
+  --memory-report names the bytes.
 - The exchange is its own gloo process group: host bytes over the host's network, never the groups a
   step uses (on one communicator a background transfer would interleave with the loop's collectives:
   gloo pairs messages by their order; NCCL's run on one stream). Sizes go first, then the bytes, both
   partners posting matching sends and receives (batch_isend_irecv); the group waits at most --timeout.
-  Its bytes are not a step's: Grid counts a step's traffic for --comm-report's formulas, so the tier's
-  are reported here (per snapshot), not there.
+  Its bytes are not a step's: Grid counts a step's traffic for --comm-report's formulas, so the tier
+  counts its own (each round's record: bytes written and sent), not there.
+- Under --crash-at (fault injection) every round is waited for, so that a kill lands where the flag
+  says, not wherever a busy machine's scheduler had got the thread to.
 - Released when the run ends (finished, or stopped on request after its disk checkpoint); a run that
   dies leaves them for its restart. Before a round, the free space is checked (os.statvfs): at the
   start, a node that cannot hold one snapshot is one line and exit 2; later a round that does not fit
@@ -258,17 +263,24 @@ class Tier:
         return host
 
     def round(self, job: Round) -> None:
-        """The thread: this rank's snapshot into its directory, then the exchange with the partners."""
+        """The thread: this rank's snapshot into its directory, then the exchange with the partners. A rank
+        whose own write failed still takes part in the exchange, sending nothing: its partner must not wait
+        for it until --timeout."""
+        t0, written, failed = time.perf_counter(), None, None
         try:
-            t0 = time.perf_counter()
             if job.copied is not None:
                 job.copied.synchronize()
             prune(self.own, job.step)
-            manifest, raw = self.write_own(job)
-            job.record.update(bytes=int(raw.size), write_s=time.perf_counter() - t0, sent=0)
+            written = self.write_own(job)
+        except Exception as e:  # (a full /dev/shm): said at the next round
+            failed = e
+        try:
+            job.record.update(bytes=int(written[1].size) if written else 0, write_s=time.perf_counter() - t0)
             if self.per_node:
                 prune(self.held, job.step)
-                job.record["sent"] = self.exchange(job.step, manifest, raw)
+                job.record["sent"] = self.exchange(job.step, written)
+            if failed is not None:
+                raise failed
             self.finished.append(job.record)
         except BaseException as e:  # said at the next round (the loop's thread), or left for the restart
             self.error = f"{type(e).__name__}: {e}"
@@ -289,28 +301,29 @@ class Tier:
         self.sizes["own"] = written["bytes"]
         return manifest, storage.map_file(self.own / f"step_{job.step:08d}" / name)
 
-    def exchange(self, step: int, manifest: dict, raw: np.ndarray) -> int:
-        """Send this rank's snapshot to its partner and receive its ward's, checked and kept; the bytes sent."""
-        text = json.dumps(manifest).encode()
-        got = self.transfer(step, (text, raw), True, f"the memory snapshots of step {step}")
-        self.keep_held(*got, step)
-        return len(text) + raw.size
+    def exchange(self, step: int, written: tuple[dict, np.ndarray] | None) -> int:
+        """Send this rank's snapshot (`written`: its manifest and bytes; None: its write failed) to its partner,
+        and receive its ward's, checked and kept. Returns the bytes sent."""
+        payload = written and (json.dumps(written[0]).encode(), written[1])
+        got = self.transfer(step, payload, True, True, f"the memory snapshots of step {step}")
+        if got is not None:
+            self.keep_held(*got, step)
+        return len(payload[0]) + payload[1].size if payload else 0
 
-    def transfer(self, step: int, payload: tuple | None, receive: bool, what: str) -> tuple | None:
-        """Point-to-point on the exchange's group: `payload` (manifest bytes, data bytes) to the partner, and,
-        when `receive`, the ward's. Sizes first (8 bytes each), then the bytes; the partners post matching
-        sends and receives. Returns the received (manifest bytes, data) or None."""
-        sends, recvs = [], []
+    def transfer(self, step: int, payload: tuple | None, send: bool, receive: bool, what: str) -> tuple | None:
+        """Point-to-point on the exchange's group: when `send`, `payload` (manifest bytes, data bytes; None:
+        nothing, its sizes 0) to the partner; when `receive`, the ward's. Sizes first (8 bytes each), then the
+        bytes; the partners post matching sends and receives. Returns what was received, or None."""
         sizes_in = torch.zeros(2, dtype=torch.int64)
-        if payload is not None:
-            sends.append((torch.tensor([len(payload[0]), payload[1].size], dtype=torch.int64), self.partner, 0))
-        if receive:
-            recvs.append((sizes_in, self.ward, 0))
-        self.p2p(sends, recvs, what)
-        sends = [(as_tensor(payload[0]), self.partner, 1), (as_tensor(payload[1]), self.partner, 2)] if payload else []
-        text, data = (torch.empty(int(n), dtype=torch.uint8) for n in sizes_in) if receive else (None, None)
-        self.p2p(sends, [(text, self.ward, 1), (data, self.ward, 2)] if receive else [], what)
-        return (bytes(text.numpy()), data.numpy()) if receive else None
+        sizes = [len(payload[0]), payload[1].size] if payload else [0, 0]
+        self.p2p([(torch.tensor(sizes, dtype=torch.int64), self.partner, 0)] if send else [],
+                 [(sizes_in, self.ward, 0)] if receive else [], what)
+        n_text, n_data = sizes_in.tolist()
+        coming = receive and n_text > 0
+        text, data = torch.empty(n_text, dtype=torch.uint8), torch.empty(n_data, dtype=torch.uint8)
+        self.p2p([(as_tensor(payload[0]), self.partner, 1), (as_tensor(payload[1]), self.partner, 2)]
+                 if send and payload else [], [(text, self.ward, 1), (data, self.ward, 2)] if coming else [], what)
+        return (bytes(text.numpy()), data.numpy()) if coming else None
 
     def p2p(self, sends: list, recvs: list, what: str) -> None:
         ops = [dist.P2POp(dist.isend, t, peer, group=self.group, tag=tag) for t, peer, tag in sends]
@@ -385,8 +398,8 @@ class Tier:
         if not self.all_well(problem):  # (before the transfer: a partner with nothing to send sends nothing)
             return None
         try:
-            got = self.transfer(step, send and (json.dumps(send[0]).encode(), send[1]), self.grid.rank in needy,
-                                f"the memory snapshot of step {step} from a partner")
+            got = self.transfer(step, send and (json.dumps(send[0]).encode(), send[1]), send is not None,
+                                self.grid.rank in needy, f"the memory snapshot of step {step} from a partner")
             if got is not None:
                 mine = self.take_back(*got, step)
         except CheckpointError as e:

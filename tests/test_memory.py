@@ -288,3 +288,48 @@ def test_newer_snapshots_than_the_step_the_run_goes_on_from_are_dropped_and_olde
     take(t, 6, model, opt)
     take(t, 2, model, opt)  # a rollback replays step 2: 4 and 6 are another attempt's
     assert sorted(p.name for p in t.own.iterdir()) == ["step_00000002"]
+
+
+def a_rank_whose_write_fails(tmp_path: Path, rank: int, port: int, results) -> None:
+    """(A child process: rank `rank` of 2, one a node.) Rank 0's snapshot cannot be written; both take one."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank))
+    grid = parallel.Grid(dp=2, rank=rank, gpus_per_node=1)
+    parallel.connect(grid, 60.0)  # were rank 1 to wait for rank 0's bytes, it would time out after this
+    said = []
+    t = memory.Tier(2, str(tmp_path / "node{node}"), str(tmp_path / "out"), grid, "r1", 100, "", said.append)
+    t.open(10_000_000)
+    if rank == 0:
+        def full(job):
+            raise OSError(28, "No space left on device")
+        t.write_own = full
+    model, opt = trained_tiny()
+    take(t, 2, model, opt)
+    error, held = t.error, sorted(p.name for p in t.held.iterdir())
+    take(t, 4, model, opt)
+    results.put((rank, error, held, said[1:]))
+    parallel.shutdown()
+
+
+def test_a_rank_whose_snapshot_fails_still_answers_its_partner(tmp_path):
+    """Rank 0 cannot write its snapshot (a full /dev/shm): it still takes part in the exchange, sending
+    nothing, so rank 1's round ends at once, with rank 0 holding rank 1's copy; rank 0's failure is said
+    at the next round. (Before, rank 1 waited for bytes that never came, until --timeout.)"""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("fork")
+    results = ctx.Queue()
+    ranks = [ctx.Process(target=a_rank_whose_write_fails, args=(tmp_path, r, port, results)) for r in range(2)]
+    for p in ranks:
+        p.start()
+    try:
+        got = dict((r, rest) for r, *rest in (results.get(timeout=300) for _ in ranks))
+    finally:
+        for p in ranks:
+            p.join(timeout=60)
+            if p.is_alive():  # (a rank that hangs: the test failed, and leaves nothing behind)
+                p.kill()
+    assert got[1][0] == "" and got[1][1] == []  # rank 1: done, and it holds nothing of rank 0's
+    assert got[0][0] == "OSError: [Errno 28] No space left on device" and got[0][1] == ["step_00000002"]
+    assert got[0][2] == ["memory snapshot of step 2 failed on rank 0: OSError: [Errno 28] No space left on device"]
