@@ -38,6 +38,12 @@ Saving costs the training loop only a copy: support/writer.py's `Saver` copies t
 to the host (on a GPU, on a side stream, fenced before the next update) and writes them, from a
 background thread with --async-ckpt.
 
+Above the disk, a tier in host memory (--mem-ckpt-every; support/memory.py keeps the bytes and sends
+a copy to another node): every few steps each rank snapshots every tensor it holds, those its peers
+hold alike too (`tensor_entries(every_copy=True)`: a restart reads nothing from the others), and
+`restore` takes the snapshot first where it is as new as the disk's; it is valid at the layout and
+rank that wrote it, so it goes back without resharding (`from_memory`).
+
 The format is sharded from day one: each tensor entry records which slice of the full tensor
 the file holds (`shard`: split `dim` into `count` parts, optionally within `groups` blocks, keep
 part `index`; `flat`: a range of the flattened slice, for ZeRO), so a checkpoint written by one
@@ -50,6 +56,7 @@ and from it, instruments/hf.py.
 
 import json
 import math
+import time
 from pathlib import Path
 
 import torch
@@ -78,24 +85,26 @@ def entry(t: torch.Tensor, name: str, p: torch.Tensor, flat: tuple[int, int] | N
                         "flat": list(flat) if flat else None, "local_shape": list(p.shape)}
 
 
-def tensor_entries(model: torch.nn.Module, opt, grid) -> dict[str, tuple]:
+def tensor_entries(model: torch.nn.Module, opt, grid, every_copy: bool = False) -> dict[str, tuple]:
     """key -> (tensor, description) for everything this rank writes: its parameters, then AdamW's
-    moments keyed by parameter name, so they can be resharded exactly like the parameter."""
-    out = {}
+    moments keyed by parameter name, so they can be resharded exactly like the parameter. Of a
+    tensor that several ranks hold alike, one rank's copy, unless `every_copy` (a memory
+    snapshot: each rank keeps all it holds, to restore without the others)."""
+    out, owns = {}, (lambda p, **_: True) if every_copy else grid.owns
     for name, p in model.named_parameters():
-        if grid.owns(p) and not weights_sharded(opt):  # ZeRO-3: the fp32 masters below are the weights
+        if owns(p) and not weights_sharded(opt):  # ZeRO-3: the fp32 masters below are the weights
             out[name] = entry(p, name, p)
-    if grid.tp_rank == 0 and grid.dp_cp_rank == 0:  # --precision fp8: the scales, the same on all those ranks
+    if every_copy or grid.tp_rank == 0 and grid.dp_cp_rank == 0:  # fp8's scales: alike there
         for key, t in fp8.checkpoint_tensors(fp8.states(model)).items():
             out[key] = entry(t, key, t)
     if isinstance(opt, ZeroAdamW):  # ZeRO: this rank's flat slices of the moments and master weights
         for name, p, kind, (a, z), t in opt.pieces(model):
-            if grid.owns(p, replicated_over_dp=False):
+            if owns(p, replicated_over_dp=False):
                 out[f"{name}::{kind}@{a}"] = entry(t, f"{name}::{kind}", p, (a, z))
         return out
     for name, p in model.named_parameters():
         state = opt.state.get(p)
-        if state and grid.owns(p):
+        if state and owns(p):
             for kind in ("exp_avg", "exp_avg_sq"):
                 out[f"{name}::{kind}"] = entry(state[kind], f"{name}::{kind}", p)
     return out
@@ -268,11 +277,14 @@ def load_optimizer(opt, model, moments: dict, steps: int) -> None:
 
 
 def restore(ckpt_dir: Path, model, opt, grid, meta: dict, run: str, log=print,
-            allowed: tuple = ()) -> tuple[Path, dict, dict] | None:
+            allowed: tuple = (), memory=None) -> tuple[Path, dict, dict] | None:
     """Load the newest usable checkpoint of run `run` into the model and optimizer: (its path, its run
     state, its manifest), or None when the directory holds none. Unusable ones are reported and passed over, an
     incompatible one (`meta` differs, but for the `allowed` keys) stops the run, and when checkpoints
-    exist but none is usable the run stops rather than silently starting again from step 0."""
+    exist but none is usable the run stops rather than silently starting again from step 0. With
+    `memory` (support/memory.py's Tier), its snapshot first, where it is newer (`resume`)."""
+    if memory is not None:
+        return resume(memory, ckpt_dir, model, opt, grid, meta, run, log, allowed)
     tried = storage.candidates(ckpt_dir, log)
     for path in tried:
         try:
@@ -311,3 +323,140 @@ def local_part(full: torch.Tensor, p: torch.Tensor, dtype: torch.dtype | None = 
         raise CorruptCheckpoint(f"checkpoint tensor of shape {tuple(part.shape)} does not fit a parameter "
                                 f"of shape {tuple(p.shape)}")
     return part.to(device=device or p.device, dtype=dtype or p.dtype)
+
+
+# ----------------------------------------------------------------------------- the memory tier
+
+
+def to_memory(memory, step: int, state, model, opt) -> None:
+    """--mem-ckpt-every, at the end of every step: when a snapshot is due, this rank's whole state
+    into the memory tier (`memory`: support/memory.py's Tier; None: off): every tensor it holds,
+    those other ranks hold alike too (a restart reads nothing from the others), the optimizer's
+    update count, and `state()` (train.Run.state_dict)."""
+    if memory is None or not memory.due(step):
+        return
+    extra = state()
+    del extra["step"]
+    entries = tensor_entries(model, opt, memory.grid, every_copy=True)
+    memory.snapshot(step, entries, optimizer_steps(opt), extra)
+
+
+def memory_bytes(model, opt, grid) -> int:
+    """The bytes of a memory snapshot of this rank, before the first step too (torch's AdamW
+    makes its two fp32 moments then)."""
+    entries = tensor_entries(model, opt, grid, every_copy=True)
+    n = sum(t.numel() * t.element_size() for t, _ in entries.values())
+    if not isinstance(opt, ZeroAdamW):
+        params = [p for group in opt.param_groups for p in group["params"]]
+        n += sum(8 * p.numel() for p in params if not opt.state.get(p))
+    return n
+
+
+def resume(memory, ckpt_dir: Path, model, opt, grid, meta: dict, run: str, log=print,
+           allowed: tuple = ()) -> tuple["Path | str", dict, dict] | None:
+    """`restore` with the memory tier first (`memory`: support/memory.py's Tier): its newest
+    snapshot every rank has, where it is as new as the newest checkpoint on disk or newer.
+    Returns (where, run state, manifest), or None; `where` says it in words: "memory (step 412,
+    restored in 0.010 s; rank 3 from its partner on node 0)", or the disk checkpoint's path, its
+    step and why memory could not serve. Snapshots newer than the step the run goes on from are
+    an abandoned attempt's: forgotten."""
+    memory.meta, t0 = meta, time.perf_counter()  # (meta: what snapshots record, a restart checks)
+    found = from_memory(memory, newest_step(ckpt_dir, run), model, opt, grid, meta, allowed)
+    if found is None:
+        disk = restore(ckpt_dir, model, opt, grid, meta, run, log, allowed)
+        found = disk and (*disk, f"; memory could not serve: {memory.why}" if memory.why else "")
+    memory.forget_after(found[1]["step"] if found else 0)
+    if not found:
+        return None
+    where, extra, manifest, detail = found
+    took = time.perf_counter() - t0
+    return f"{where} (step {extra['step']}, restored in {took:.3f} s{detail})", extra, manifest
+
+
+def newest_step(ckpt_dir: Path, run: str) -> int:
+    """The step of run `run`'s newest checkpoint on disk (its manifest checked, not its files),
+    or -1."""
+    for path in storage.candidates(ckpt_dir, log=lambda _: None):
+        try:
+            manifest = storage.read_manifest(path)
+        except CheckpointError:
+            continue
+        if manifest["run"] == run:
+            return manifest["step"]
+    return -1
+
+
+def from_memory(memory, disk_step: int, model, opt, grid, meta: dict,
+                allowed: tuple = ()) -> tuple[str, dict, dict, str] | None:
+    """This rank's memory snapshot (memory.restore: the newest every rank has, if not older than
+    `disk_step`) into its model and optimizer: ("memory", run state, manifest, which ranks took
+    theirs from a partner), or None (`memory.why` says why). It is this very rank's, at this
+    layout: every tensor goes back where tensor_entries(every_copy=True) took it from, without
+    resharding. Checked on every rank before anything changes: if a rank finds a tensor missing
+    or of another shape, the disk serves instead; another setup's is refused, as on disk."""
+    found = memory.restore(disk_step)
+    if found is None:
+        return None
+    saved, state, manifest, detail = found
+    check_compatible(manifest, meta, "the memory snapshot", allowed)  # every rank stops alike
+    try:
+        check_own(saved, model, opt, grid)
+        problem = ""
+    except CorruptCheckpoint as e:
+        problem = f"rank {grid.rank}: {e}"
+    if problems := [p for p in grid.gather_objects(problem) if p]:
+        memory.why = problems[0]
+        return None
+    load_own(saved, state, model, opt, grid)
+    return "memory", state["extra"], manifest, detail
+
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def check_own(saved: dict[str, torch.Tensor], model, opt, grid) -> None:
+    """Does a memory snapshot fit this rank's model and optimizer, key by key, shape by shape?"""
+    params = dict(model.named_parameters())
+    want = {k: t.shape for k, (t, _) in tensor_entries(model, opt, grid, every_copy=True).items()}
+    moments = set()
+    if not isinstance(opt, ZeroAdamW):  # torch's AdamW makes its moments at its first step
+        names = {id(p): name for name, p in params.items()}
+        moments = {f"{names[id(p)]}::{kind}" for group in opt.param_groups
+                   for p in group["params"] for kind in MOMENTS}
+        want |= {key: params[key.split("::")[0]].shape for key in moments}
+    problems = {"missing": set(want) - set(saved) - moments,
+                "not in the model": set(saved) - set(want),
+                "of another shape": {k for k in set(saved) & set(want)
+                                     if tuple(saved[k].shape) != tuple(want[k])}}
+    if any(problems.values()):
+        said = "; ".join(f"{what}: {', '.join(sorted(keys)[:3])}"
+                         for what, keys in problems.items() if keys)
+        raise CorruptCheckpoint(f"the memory snapshot does not fit this rank's model ({said})")
+
+
+def load_own(saved: dict[str, torch.Tensor], state: dict, model, opt, grid) -> None:
+    """Put a checked memory snapshot (check_own) back: the weights, the optimizer (its moments,
+    ZeRO's flat pieces and masters), fp8's scales, and this rank's random streams."""
+    params, steps = dict(model.named_parameters()), state["extra"]["opt_step"]
+    with torch.no_grad():
+        for name, p in params.items():
+            if name in saved:
+                p.copy_(saved[name])
+    if isinstance(opt, ZeroAdamW):  # "name::kind@a": this rank's [a, a + n) of p's flat slice
+        pieces = {key.rsplit("@", 1)[0]: (int(key.rsplit("@", 1)[1]), t)
+                  for key, t in saved.items() if "@" in key}
+
+        def whole(name: str, p: torch.Tensor, kind: str) -> torch.Tensor:  # (it reads [a, a + n))
+            a, t = pieces[f"{name}::{kind}"]
+            out = torch.zeros(p.numel(), dtype=torch.float32)
+            out[a:a + t.numel()] = t
+            return out
+        opt.load_pieces(model, whole, steps)
+    else:
+        moments = {(name, kind): saved[f"{name}::{kind}"].clone() for name in params
+                   for kind in MOMENTS if f"{name}::{kind}" in saved}
+        load_optimizer(opt, model, moments, steps)
+    states = fp8.states(model)
+    if scales := {key: saved[key].clone() for key in fp8.checkpoint_tensors(states)}:
+        fp8.load_checkpoint_tensors(states, scales)
+    set_rng_state(state["rng"], grid.device)

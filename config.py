@@ -33,7 +33,7 @@ CACHE_DIR = str(tokenizer.DEFAULT_CACHE_DIR)
 DATA_HELP = "corpus: " + SOURCE_HELP
 STATS_EVERY = 10  # --stats-every's default (a run without instruments/ takes it as "none asked for")
 # (stall: in joining the others, or in the first collective over a group: parallel.py's names)
-CRASH_AT = re.compile(r"(rank:\d+:)?((step|save):\d+"
+CRASH_AT = re.compile(r"(rank:\d+:)?((step|save|mem):\d+"
                       r"|stall:(connect|world|tp|cp|dp_cp|pp|embed|ep|edp|zs|zr|node|nodes))")
 MAX_TIMEOUT_S = 1e9  # torch.distributed keeps its timeout in a timedelta (at most ~8.6e13 s): 1e300 overflows
 MAX_SAMPLE_TOKENS = 100_000  # drawn one at a time at every evaluation: more is a mistake, not a sample
@@ -126,6 +126,14 @@ class TrainConfig:
     ckpt_every: int = arg(0, "save a checkpoint every N steps (0: only at the end)", at_least(0))
     keep: int = arg(2, "checkpoints to keep (older ones are deleted once a newer one is complete)", at_least(1))
     async_ckpt: bool = arg(False, "save checkpoints in the background: training pays only for a copy")
+    mem_ckpt_every: int = arg(0, "snapshot every rank's state into host memory every N steps (0: "
+                              "off): files in --mem-ckpt-dir that outlive the process, each copied "
+                              "to the same local rank on the next node; a restart resumes from "
+                              "them where they are newer than the disk's (support/memory.py)",
+                              at_least(0))
+    mem_ckpt_dir: str = arg("/dev/shm", "where memory snapshots live (a tmpfs: memory); '{node}' "
+                            "in it is the node's number (rank // --gpus-per-node), for nodes "
+                            "simulated on one machine")
     spike_z: float = arg(0.0, "loss-spike guard (0: off): a loss more than Z standard deviations above the mean "
                          "of the last --spike-window losses, and 20% above it, is a spike: roll back to the last "
                          "checkpoint and skip that batch", at_least(0))
@@ -197,12 +205,13 @@ class TrainConfig:
                               "activation model (and Korthikanti et al.'s, for GPT-2)")
 
     crash_at: str = arg("", "'step:N' SIGKILLs the process after step N, 'save:N' in the "
-                        "middle of the save at step N; 'stall:connect' hangs it (alive, silent) "
-                        "before it joins the others, 'stall:tp' in its first collective over tp "
-                        "(or another group); 'rank:R:...' only rank R (only in a launcher's first "
-                        "attempt, so a restarted job runs through)",
+                        "middle of the save at step N, 'mem:N' in the middle of its memory snapshot "
+                        "of step N; 'stall:connect' hangs it (alive, silent) before it joins the "
+                        "others, 'stall:tp' in its first collective over tp (or another group); "
+                        "'rank:R:...' only rank R (only in a launcher's first attempt, so a "
+                        "restarted job runs through)",
                         (lambda v: v == "" or CRASH_AT.fullmatch(v), "must look like step:N, "
-                         "save:N, stall:connect, stall:GROUP or rank:R:step:N"),
+                         "save:N, mem:N, stall:connect, stall:GROUP or rank:R:step:N"),
                         group="fault injection (for tests and lessons)", shown="off")
     poison_step: int = arg(-1, "replace batch N (the one step N + 1 draws) with one rare token repeated",
                            at_least(-1), shown="-1: off")

@@ -64,7 +64,7 @@ import pipeline
 import shard
 import stability
 import zero
-from support import devices, interrupt, rundir, tokenizer, writer
+from support import cli, devices, interrupt, memory, rundir, tokenizer, writer
 
 # ----------------------------------------------------------------------------- optimization
 
@@ -127,6 +127,7 @@ class Run:
     pipe: pipeline.Pipeline | None = None  # this rank's pipeline stage, when --pp > 1
     gather: zero.ParamGather | None = None  # ZeRO-3's weight gathering, when --zero 3
     metrics: rundir.Metrics | None = None  # --out/metrics.jsonl, once the loop has opened it
+    memory: "memory.Tier | None" = None  # --mem-ckpt-every's snapshots (support/memory.py)
     step: int = 0
     saved_step: int = -1  # the step of the newest checkpoint this run has (written or loaded)
     skip_batches: list = field(default_factory=list)  # global batch numbers the spike guard skips
@@ -208,8 +209,9 @@ def setup(cfg: config.TrainConfig, arch: dict | None = None, init_values=None) -
     if cfg.print_grid:
         log(str(grid))
     data_sha256 = ", ".join(f"{s} {data.shard_sha256(prepared / f'{s}.bin')[:16]}" for s in ("train", "val"))
+    tier = memory.start(cfg, grid, run_id, lambda: checkpoint.memory_bytes(model, opt, grid), log)
     return Run(cfg, device, precision, grid, tok, model_cfg, model, opt, scaler, loader, val, guard, saver, run_id,
-               data_sha256, log, lock=lock, sync=sync, pipe=stages, gather=gather)
+               data_sha256, log, lock=lock, sync=sync, pipe=stages, gather=gather, memory=tier)
 
 
 def build_model_and_optimizer(cfg: config.TrainConfig, grid: parallel.Grid, model_cfg: gpt.GPTConfig,
@@ -248,8 +250,7 @@ def build_model_and_optimizer(cfg: config.TrainConfig, grid: parallel.Grid, mode
 
 
 def next_batch(run: Run) -> tuple[int, torch.Tensor]:
-    """(number, this rank's rows) of the next global batch, passing over batches the spike guard
-    rejected."""
+    """(number, this rank's rows) of the next global batch not rejected by the spike guard."""
     while True:
         number, batch = run.batches_drawn, run.loader.next_batch()
         run.batches_drawn += 1
@@ -408,16 +409,17 @@ def checkpoint_meta(run: Run) -> dict:
 
 
 def restore(run: Run, announce: bool) -> bool:
-    """Load the newest usable checkpoint of this run, if there is one; say what changed."""
+    """Load this run's newest usable checkpoint (first: memory's, if newer); say what changed."""
     found = checkpoint.restore(Path(run.cfg.out) / "ckpt", run.model, run.opt, run.grid, checkpoint_meta(run),
-                               run.run_id, log=run.log, allowed=checkpoint.DATA if run.cfg.new_data else ())
+                               run.run_id, run.log, checkpoint.DATA if run.cfg.new_data else (),
+                               memory=run.memory if announce else None)
     if found is None:
         return False
-    path, extra, manifest = found
+    path, extra, manifest = found  # path: on disk, or words (with --mem-ckpt-every)
     run.load_state_dict(extra)
-    run.saved_step = run.step
+    run.saved_step = -1 if manifest["format"] == memory.FORMAT else run.step  # memory: none on disk
     if announce:
-        run.log(f"resuming from {path} (step {run.step})")
+        run.log(f"resuming from {path}" + ("" if isinstance(path, str) else f" (step {run.step})"))
         run.grid.observer.resumed(manifest)  # (reports.py says which flags changed, and what that does)
         for line in checkpoint.data_changes(checkpoint_meta(run), manifest["meta"]):
             run.log(line)
@@ -439,7 +441,7 @@ def train(run: Run, stop: interrupt.Stop) -> dict:
     # the bar goes to stderr; log lines (bar.write) to stdout. `with`: closed even on an error
     stopped = 0  # the signal every rank stopped for
     with tqdm(total=cfg.max_steps, initial=run.step, disable=not grid.is_logger, dynamic_ncols=True,
-              mininterval=1.0) as bar:
+              mininterval=1.0) as bar, memory.lifetime(run.memory):  # (freed if the loop ends well)
         try:
             stop.deferred = True  # from here a signal is answered between two steps
             while run.step < cfg.max_steps:
@@ -513,6 +515,7 @@ def after_step(run: Run, row: dict, bar) -> None:
         if run.grid.is_logger:
             bar.write(f"step {run.step}: checkpoint skipped: the one of step {run.saver.writing} is still being "
                       "written (a disk this slow needs a larger --ckpt-every)")
+    checkpoint.to_memory(run.memory, run.step, run.state_dict, run.model, run.opt)  # when due
     if interrupt.crash_due(cfg.crash_at, run.grid.rank, f"step:{run.step}"):
         run.saver.wait()
         os.kill(os.getpid(), signal.SIGKILL)

@@ -145,6 +145,7 @@ FIXED = ("data", "tokenizer", "preset", "arch", "n_kv_head", "rope_theta", "tie_
 # weights (a resume starts from its checkpoint's); the data's and the loss scale's changes have lines of their own
 # (checkpoint.data_changes, below).
 UNSAID = ("cache_dir", "init_from", "out", "fresh", "new_data", "ckpt_every", "keep", "async_ckpt", "timeout",
+          "mem_ckpt_every", "mem_ckpt_dir",
           "eval_every", "eval_batches", "sample_tokens", "stats_every", "print_grid", "print_schedule",
           "print_timeline", "comm_report", "memory_report", "crash_at", "poison_step", "loss_scale")
 
@@ -274,6 +275,8 @@ def memory_report(run, memory: dict) -> str:
         lines.append(f"  allocator: {acts.allocated:,} bytes more held after the blocks' forward than before it")
     if run.gather is not None and run.gather.hpz:
         lines.append(hpz_memory_line(run.gather))
+    if getattr(run, "memory", None) is not None:  # --mem-ckpt-every: host memory, not the device's
+        lines.append("  " + run.memory.describe())
     lines.append("  ZeRO paper (16-bit weights and gradients, K = 12): 2Ψ+2Ψ+12Ψ (no ZeRO), 2Ψ+2Ψ+12Ψ/N (1), "
                  "2Ψ+(2Ψ+12Ψ)/N (2), (2Ψ+2Ψ+12Ψ)/N (3)")
     return "\n".join(grid.gather_objects("\n".join(lines)))  # text, once, after the step
