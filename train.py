@@ -451,7 +451,8 @@ def train(run: Run, stop: interrupt.Stop) -> dict:
                     break
                 t0 = time.perf_counter()
                 row = train_step(run, stop)
-                stopped = row.pop("signal") if row["step"] < cfg.max_steps else 0
+                signum = row.pop("signal")  # (after the last step the run is done: it ends there)
+                stopped = signum if row["step"] < cfg.max_steps else 0
                 if row.pop("spike"):
                     roll_back(run, row, bar)
                     bar.n = run.step

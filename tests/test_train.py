@@ -55,6 +55,7 @@ def test_same_seed_gives_bitwise_identical_losses(corpus, tmp_path):
     assert manifests[0]["files"] == manifests[1]["files"]  # the same bytes, sha256 and all
     assert [r["loss"] for r in a[:2]] != [r["loss"] for r in c]
     assert set(a[-1]) >= {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "val_loss"}
+    assert not any("signal" in r for r in a)  # the stop signal is the loop's, not a number of the step
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
