@@ -41,7 +41,8 @@ the files that hold it.
 4. How a checkpoint directory appears and goes away whole, and how a reader holds on to one (section 4
    below): written aside and renamed into place, `latest` moved last (`prepare`, `commit`), only the
    run's own deleted beyond --keep, renamed out of sight first (`prune`); a reader maps and checks every
-   file before it reads (`pin`, `newest`), so a cleanup cannot pull a checkpoint from under it.
+   file before it reads (`pin`, `newest`), so a cleanup cannot pull a checkpoint from under it, or each
+   file as it first needs it (`pin_file`: a resuming rank reads only the files that hold its part).
 """
 
 import hashlib
@@ -420,23 +421,36 @@ class Vanished(CheckpointError):
 PIN_TRIES = 10  # listings a reader tries when the checkpoints keep vanishing under it
 
 
-def pin(path: Path) -> tuple[dict, dict[str, np.ndarray]]:
+def pin(path: Path, names=None) -> tuple[dict, dict[str, np.ndarray]]:
     """Open a checkpoint for reading, and check all of it: (its manifest, its files mapped). The manifest
     first (its own sha256 and schema), then every file, mapped (`map_file`) and hashed in place, so that
     what was checked is what is read. A mapped file stays readable after it is deleted, so once pinned a
     checkpoint is read whole even if its run deletes it meanwhile. One that disappears or changes while it
-    is being opened raises Vanished."""
+    is being opened raises Vanished. `names`: only those files now (a reader pins the others as it needs
+    them, `pin_file`: a resuming rank reads only the files that hold its part)."""
     path, manifest = Path(path), None
     try:
         manifest = read_manifest(path)
-        raw = {name: _map(path / name) for name in manifest["files"]}
-        for name, want in manifest["files"].items():
-            verify_mapped(raw[name], want, path / name)
+        raw = {name: _map(path / name) for name in (manifest["files"] if names is None else names)}
+        for name in raw:
+            verify_mapped(raw[name], manifest["files"][name], path / name)
     except CheckpointError:
         if not _unchanged(path, manifest):
             raise Vanished(f"{path} was deleted or replaced while it was being read") from None
         raise
     return manifest, raw
+
+
+def pin_file(path: Path, manifest: dict, name: str) -> np.ndarray:
+    """One more file of a checkpoint that `pin` opened (`manifest`), mapped and checked against that manifest."""
+    try:
+        raw = _map(path / name)
+        verify_mapped(raw, manifest["files"][name], path / name)
+        return raw
+    except CheckpointError:
+        if not _unchanged(path, manifest):
+            raise Vanished(f"{path} was deleted or replaced while it was being read") from None
+        raise
 
 
 def _map(file: Path):

@@ -1,13 +1,14 @@
 """checkpoint.py and the guards: a run can die at any instant and continue as if it had not."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
-from conftest import ROOT, final_weights, metrics, run_train
+from conftest import ROOT, TINY, final_weights, metrics, run_train
 
 import checkpoint
 
@@ -247,3 +248,44 @@ def test_a_save_that_finds_the_last_one_still_writing_is_skipped_not_waited_for(
     ckpt = tmp_path / "ckpt"
     assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_00000002", "step_00000006"]
     assert (ckpt / "latest").read_text() == "step_00000006"
+
+
+# ----------------------------------------------------------------------------- what a resume costs a rank
+
+
+def test_a_zero3_resume_reads_checks_and_holds_only_each_ranks_share(corpus, tmp_path):
+    """Resuming --zero 3 at dp 4 (tests/resume_memory.py follows each rank): a rank maps only the files
+    that hold its part (its own, and rank 0's for the run state), hashes each of those once, whole, and
+    allocates during the load at most its own optimizer state (12 bytes per parameter / dp) and 64 KiB:
+    its pieces are views of the mapped files. Before: every rank mapped and hashed every file of the
+    world, and held every parameter's slice and its three fp32 moments whole (16 bytes per parameter)."""
+    flags = ["--zero", "3", "--n-layer", "8", "--ckpt-every", "0", "--eval-every", "100"]
+    run_train(corpus, tmp_path, *flags, "--max-steps", "2", nproc=4)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+           str(ROOT / "tests" / "resume_memory.py"), *TINY, "--data", corpus["data"], "--cache-dir", corpus["cache"],
+           "--out", str(tmp_path), *flags]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert sorted(r["rank"] for r in ranks) == [0, 1, 2, 3]
+    for r in ranks:
+        assert r["step"] == 2 and len(r["sizes"]) == 4
+        assert r["hashed"] == r["mapped"] == {name: r["sizes"][name] for name in r["mapped"]}, r
+        assert set(r["mapped"]) <= {"rank00000.safetensors", f"rank{r['rank']:05d}.safetensors"}, r
+        assert r["peak"] <= r["state"] + 64 * 2**10, f"rank {r['rank']}: {r['peak']:,} bytes at the peak: {r}"
+
+
+def test_a_damaged_file_that_only_one_rank_reads_sends_every_rank_back(corpus, tmp_path):
+    """--zero 3 at dp 2: rank 1's file holds rank 1's shard, which only rank 1 reads on a resume at the
+    same layout. Damaged, rank 1 finds it (its hash), says so, and every rank falls back together to the
+    previous checkpoint: the one all-reduce of their verdicts, restore's."""
+    flags = ["--zero", "3", "--ckpt-every", "1", "--eval-every", "100"]
+    run_train(corpus, tmp_path, *flags, "--max-steps", "2", nproc=2)
+    victim = tmp_path / "ckpt" / "step_00000002" / "rank00001.safetensors"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+    resumed = run_train(corpus, tmp_path, *flags, "--max-steps", "3", nproc=2).stdout
+    assert "rank 1: checkpoint unusable, trying an older one: " in resumed and "rank00001.safetensors" in resumed
+    assert "resuming from" in resumed and "(step 1)" in resumed
