@@ -276,6 +276,29 @@ def test_a_zero3_resume_reads_checks_and_holds_only_each_ranks_share(corpus, tmp
         assert r["peak"] <= r["state"] + 64 * 2**10, f"rank {r['rank']}: {r['peak']:,} bytes at the peak: {r}"
 
 
+def test_the_background_writer_computes_on_the_runs_gpu(tmp_path, monkeypatch):
+    """A new thread's current GPU is GPU 0, whatever its process chose: the writer's first CUDA call
+    (waiting for the copy to the host) would make a context on GPU 0 for every rank (~0.5 GB each). So
+    the writer thread sets the run's device first. Here a rank on GPU 1, on a CPU: the copy and the RNG
+    states are stand-ins, and a recorder stands in for torch.cuda.set_device (tests/test_gpu.py checks
+    the thread's device on a GPU)."""
+    import threading
+
+    from support import writer
+
+    set_to = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: set_to.append((d, threading.current_thread().name)))
+    monkeypatch.setattr(writer, "rng_state", lambda device: {})
+    monkeypatch.setattr(writer.Saver, "_to_host", lambda self, tensors: {k: t.clone() for k, t in tensors.items()})
+    m, opt = trained_tiny()
+    s = saver(tmp_path, asynchronous=True)
+    s.grid.device = torch.device("cuda", 1)
+    assert save(s, 1, m, opt, extra={}, meta={})
+    s.wait()
+    assert set_to == [(torch.device("cuda", 1), "ckpt-writer")]
+    assert (tmp_path / "ckpt" / "latest").read_text() == "step_00000001"
+
+
 def test_a_damaged_file_that_only_one_rank_reads_sends_every_rank_back(corpus, tmp_path):
     """--zero 3 at dp 2: rank 1's file holds rank 1's shard, which only rank 1 reads on a resume at the
     same layout. Damaged, rank 1 finds it (its hash), says so, and every rank falls back together to the

@@ -598,3 +598,33 @@ def test_ring_attention_off_the_kernel_grows_linearly_on_cuda(monkeypatch):
 
     peaks = {T: peak(T) for T in (2048, 4096)}
     assert peaks[4096] <= 2.2 * peaks[2048], peaks
+
+
+def check_writer_device(out: str) -> None:
+    """An asynchronous save on the run's GPU (GPU 1 where there are two, as LOCAL_RANK 1's; else GPU 0): the
+    writer thread computes on that GPU. A new thread starts on GPU 0, and its first CUDA call (the wait for
+    the copy to the host) used to create a context there: ~0.5 GB of GPU 0 per rank (writer.use_device)."""
+    import checkpoint
+    import model as gpt
+    import parallel
+    from support import writer
+
+    device = torch.device("cuda", min(torch.cuda.device_count(), 2) - 1)
+    torch.cuda.set_device(device)  # what train.py does for its rank (support/devices.py)
+    model = gpt.build(gpt.config_from_preset("tiny", 257), seed=0).to(device)
+    opt = torch.optim.AdamW(model.parameters(), fused=True)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    saver = writer.Saver(Path(out) / "ckpt", keep=2, asynchronous=True, grid=parallel.Grid(device=device), run="r")
+    seen, write = [], saver._write
+    saver._write = lambda job: (seen.append(torch.cuda.current_device()), write(job))[1]
+    saver.save(1, checkpoint.tensor_entries(model, opt, saver.grid), checkpoint.optimizer_steps(opt),
+               extra={"step": 1}, meta={})
+    saver.wait()
+    assert seen == [device.index], f"the writer thread ran on GPU {seen}, the run on GPU {device.index}"
+    assert (Path(out) / "ckpt" / "latest").read_text() == "step_00000001"
+
+
+def test_the_checkpoint_writer_thread_computes_on_the_runs_gpu(tmp_path):
+    run_python(f"import test_gpu; test_gpu.check_writer_device({str(tmp_path / 'run')!r})")
