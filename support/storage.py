@@ -40,9 +40,10 @@ the files that hold it.
 
 4. How a checkpoint directory appears and goes away whole, and how a reader holds on to one (section 4
    below): written aside and renamed into place, `latest` moved last (`prepare`, `commit`), only the
-   run's own deleted beyond --keep, renamed out of sight first (`prune`); a reader maps and checks every
-   file before it reads (`pin`, `newest`), so a cleanup cannot pull a checkpoint from under it, or each
-   file as it first needs it (`pin_file`: a resuming rank reads only the files that hold its part).
+   run's own deleted beyond --keep, renamed out of sight first (`prune`), and what an unfinished save
+   left removed (`clear_leftovers`); a reader maps and checks every file before it reads (`pin`,
+   `newest`), so a cleanup cannot pull a checkpoint from under it, or each file as it first needs it
+   (`pin_file`: a resuming rank reads only the files that hold its part).
 """
 
 import hashlib
@@ -316,10 +317,19 @@ def prepare(ckpt_dir: Path, tmp: Path, run: str) -> None:
     replaces it (removed here, before the ranks agree to save, so no rank mistakes the old directory for
     the new commit). The run holds the lock on its --out: nobody else writes here."""
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    for stale in [*ckpt_dir.glob(".tmp-step_*"), *ckpt_dir.glob(".del-step_*")]:
-        shutil.rmtree(stale)
+    clear_leftovers(ckpt_dir)
     make_way(ckpt_dir / tmp.name.removeprefix(".tmp-"), run)
     tmp.mkdir()
+
+
+def clear_leftovers(ckpt_dir: Path) -> None:
+    """Remove what saves and cleanups that did not finish left: .tmp-step_N/ (a save killed, or cut off by a
+    full disk, half way) and .del-step_N/ (a deletion killed half way). Before every save, and when a run
+    starts (rundir.Lock), before it writes anything: on a full disk they hold the space the run needs. Only
+    directories: a file of such a name is no save's, and stays (a save that needs the name says so)."""
+    for stale in [*Path(ckpt_dir).glob(".tmp-step_*"), *Path(ckpt_dir).glob(".del-step_*")]:
+        if stale.is_dir() and not stale.is_symlink():
+            shutil.rmtree(stale)
 
 
 def commit(tmp: Path, final: Path, manifest: dict, ranks: int, timeout_s: float, keep: int) -> None:
