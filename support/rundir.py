@@ -38,6 +38,7 @@ them, then deletes it: whatever stops the process, the next run on this --out fi
 finishes the move before anything else (`claim`).
 """
 
+import errno
 import fcntl
 import json
 import os
@@ -359,7 +360,10 @@ class Metrics:
         if not self.enabled:
             return
         line = memoryview((json.dumps(row) + "\n").encode())
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError as e:  # (--out made read-only, or its disk gone, mid-run)
+            raise RunDirError(self.cannot_write(e)) from None
         try:
             size = os.lseek(fd, 0, os.SEEK_END)
             try:
@@ -372,7 +376,8 @@ class Metrics:
             os.close(fd)
 
     def cannot_write(self, e: OSError) -> str:
-        return (f"could not write {self.path} ({problem_with(e)}); make room, then rerun the same command: it "
+        fix = "make room" if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT) else "fix that"
+        return (f"could not write {self.path} ({problem_with(e)}); {fix}, then rerun the same command: it "
                 "continues from the last checkpoint")
 
 

@@ -7,6 +7,7 @@ part way and the next fails (EFBIG, "File too large", where a full disk says ENO
 through the code as a disk that fills mid-line, and it needs no root and no special file system.
 """
 
+import errno
 import json
 import os
 import resource
@@ -264,3 +265,26 @@ def test_a_rerun_on_a_full_disk_first_removes_what_a_failed_save_left(tmp_path, 
     assert sorted(p.name for p in (out / "ckpt").iterdir()) == [".owner"]
     held.close()
 
+
+# ----------------------------------------------------------------------------- --out made read-only mid-run
+
+
+def test_an_out_made_read_only_mid_run_is_one_line(tmp_path, monkeypatch):
+    """--out remounted read-only while the run trains: the next line of metrics.jsonl cannot even be opened.
+    One line (a RunDirError, which train.py says and exits 2 on), not a traceback. (Root writes through any
+    permission, so a stand-in for os.open refuses as a read-only file system does.)"""
+    m = rundir.Metrics(tmp_path / "metrics.jsonl", True, 0)
+    m.log(step=1, loss=1.0)
+    opened = os.open
+
+    def read_only(path, flags, *args, **kwargs):
+        if flags & (os.O_WRONLY | os.O_RDWR):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return opened(path, flags, *args, **kwargs)
+    monkeypatch.setattr(os, "open", read_only)
+    with pytest.raises(rundir.RunDirError) as e:
+        m.log(step=2, loss=1.0)
+    monkeypatch.undo()
+    assert str(e.value) == f"could not write {tmp_path / 'metrics.jsonl'} (Read-only file system); fix that, then " \
+                           "rerun the same command: it continues from the last checkpoint"
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "loss": 1.0}\n'
