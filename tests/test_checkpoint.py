@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -297,6 +298,31 @@ def test_the_background_writer_computes_on_the_runs_gpu(tmp_path, monkeypatch):
     s.wait()
     assert set_to == [(torch.device("cuda", 1), "ckpt-writer")]
     assert (tmp_path / "ckpt" / "latest").read_text() == "step_00000001"
+
+
+def check_writer_device(out: str) -> None:
+    """An asynchronous save on the run's GPU (GPU 1 where there are two, as LOCAL_RANK 1's; else GPU 0): the
+    writer thread computes on that GPU. A new thread starts on GPU 0, and its first CUDA call (the wait for
+    the copy to the host) used to create a context there: ~0.5 GB of GPU 0 per rank (writer.use_device)."""
+    import model as gpt
+    import parallel
+    from support import writer
+
+    device = torch.device("cuda", min(torch.cuda.device_count(), 2) - 1)
+    torch.cuda.set_device(device)  # what train.py does for its rank (support/devices.py)
+    model = gpt.build(gpt.config_from_preset("tiny", 257), seed=0).to(device)
+    opt = torch.optim.AdamW(model.parameters(), fused=True)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    saver = writer.Saver(Path(out) / "ckpt", keep=2, asynchronous=True, grid=parallel.Grid(device=device), run="r")
+    seen, write = [], saver._write
+    saver._write = lambda job: (seen.append(torch.cuda.current_device()), write(job))[1]
+    saver.save(1, checkpoint.tensor_entries(model, opt, saver.grid), checkpoint.optimizer_steps(opt),
+               extra={"step": 1}, meta={})
+    saver.wait()
+    assert seen == [device.index], f"the writer thread ran on GPU {seen}, the run on GPU {device.index}"
+    assert (Path(out) / "ckpt" / "latest").read_text() == "step_00000001"
 
 
 def test_a_damaged_file_that_only_one_rank_reads_sends_every_rank_back(corpus, tmp_path):

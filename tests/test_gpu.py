@@ -109,8 +109,7 @@ def test_kernel_matches_float64_like_sdpa_and_is_deterministic():
     print("".join(outs))  # the table of errors, ours next to SDPA's: pytest -s shows it
 
 
-def check_ring_blocks(device: str, dtype: str, head_dim: int, T: int = 1024, cp: int = 4,
-                      factor: float = 8.0) -> None:
+def check_ring_blocks(device: str, dtype: str, head_dim: int, T: int = 1024, cp: int = 4, factor: float = 8.0) -> None:
     """Ring attention's arithmetic (context.py) on one GPU: the cp ranks' blocks computed one after another
     by our kernel (causal on the diagonal, the unmasked mode with Tq != Tk off it), merged by their
     log-sum-exps, and the backward of every block from the merged output, put together: o, dq, dk, dv
@@ -248,8 +247,7 @@ def train_on_gpu(corpus: dict, out: Path, *flags: str, check: bool = True,
     """python train.py (or torchrun) with the CUDA defaults, on `corpus`, in a process without the interpreter."""
     launcher = [sys.executable] if nproc == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    cmd = launcher + ["train.py", "--data", corpus["data"], "--cache-dir", corpus["cache"], "--out", str(out),
-                      *flags]
+    cmd = launcher + ["train.py", "--data", corpus["data"], "--cache-dir", corpus["cache"], "--out", str(out), *flags]
     result = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=900)
     if check:
         assert result.returncode == 0, f"{' '.join(cmd)}: exit {result.returncode}\n" \
@@ -294,8 +292,7 @@ def test_a_killed_run_resumes_bitwise_on_cuda(variant, gpu_corpus, tmp_path):
     (saving synchronously). Sampling with the KV cache runs at every evaluation."""
     flags = [*RESUME, *VARIANTS[variant]]
     train_on_gpu(gpu_corpus, tmp_path / "straight", *flags)
-    killed = train_on_gpu(gpu_corpus, tmp_path / "killed", *flags, "--async-ckpt", "--crash-at", "step:13",
-                          check=False)
+    killed = train_on_gpu(gpu_corpus, tmp_path / "killed", *flags, "--async-ckpt", "--crash-at", "step:13", check=False)
     assert killed.returncode != 0, "--crash-at step:13 did not kill the run"
     resumed = train_on_gpu(gpu_corpus, tmp_path / "killed", *flags, "--async-ckpt")
     assert "resuming from" in resumed.stdout + resumed.stderr
@@ -328,8 +325,7 @@ def test_more_processes_than_gpus_is_one_line(gpu_corpus, tmp_path):
     Like every layout error under torchrun (cli.stop_every_rank, tests/test_parallel.py), rank 0 then exits
     2 and the others 0, so torchrun exits non-zero with that line as the cause in its summary."""
     n = torch.cuda.device_count() + 1
-    result = train_on_gpu(gpu_corpus, tmp_path / "run", "--preset", "tiny", "--max-steps", "1", nproc=n,
-                          check=False)
+    result = train_on_gpu(gpu_corpus, tmp_path / "run", "--preset", "tiny", "--max-steps", "1", nproc=n, check=False)
     said = result.stdout + result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and f"{n} processes on this node but {n - 1} visible GPU" in errors[0], said[-3000:]
@@ -600,31 +596,5 @@ def test_ring_attention_off_the_kernel_grows_linearly_on_cuda(monkeypatch):
     assert peaks[4096] <= 2.2 * peaks[2048], peaks
 
 
-def check_writer_device(out: str) -> None:
-    """An asynchronous save on the run's GPU (GPU 1 where there are two, as LOCAL_RANK 1's; else GPU 0): the
-    writer thread computes on that GPU. A new thread starts on GPU 0, and its first CUDA call (the wait for
-    the copy to the host) used to create a context there: ~0.5 GB of GPU 0 per rank (writer.use_device)."""
-    import checkpoint
-    import model as gpt
-    import parallel
-    from support import writer
-
-    device = torch.device("cuda", min(torch.cuda.device_count(), 2) - 1)
-    torch.cuda.set_device(device)  # what train.py does for its rank (support/devices.py)
-    model = gpt.build(gpt.config_from_preset("tiny", 257), seed=0).to(device)
-    opt = torch.optim.AdamW(model.parameters(), fused=True)
-    for p in model.parameters():
-        p.grad = torch.ones_like(p)
-    opt.step()
-    saver = writer.Saver(Path(out) / "ckpt", keep=2, asynchronous=True, grid=parallel.Grid(device=device), run="r")
-    seen, write = [], saver._write
-    saver._write = lambda job: (seen.append(torch.cuda.current_device()), write(job))[1]
-    saver.save(1, checkpoint.tensor_entries(model, opt, saver.grid), checkpoint.optimizer_steps(opt),
-               extra={"step": 1}, meta={})
-    saver.wait()
-    assert seen == [device.index], f"the writer thread ran on GPU {seen}, the run on GPU {device.index}"
-    assert (Path(out) / "ckpt" / "latest").read_text() == "step_00000001"
-
-
-def test_the_checkpoint_writer_thread_computes_on_the_runs_gpu(tmp_path):
-    run_python(f"import test_gpu; test_gpu.check_writer_device({str(tmp_path / 'run')!r})")
+def test_the_checkpoint_writer_thread_computes_on_the_runs_gpu(tmp_path):  # (on GPU 1 where there are two)
+    run_python(f"import test_checkpoint; test_checkpoint.check_writer_device({str(tmp_path / 'run')!r})")
