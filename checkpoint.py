@@ -199,8 +199,9 @@ class Reader:
         name = f"rank{rank:05d}.safetensors"
         if name not in self.manifest["files"]:
             return None
+        raw = self.mapped(name)  # (checked first: a damaged file is named as one)
         try:
-            header = storage.safetensors_metadata(self.path / name, self.mapped(name))
+            header = storage.safetensors_metadata(self.path / name, raw)
             return json.loads(header["nanoscale_state"])
         except (KeyError, ValueError):
             raise CorruptCheckpoint(f"{self.path / name}: no run state in its header") from None

@@ -30,7 +30,7 @@ The directory the checkpoints go to is locked as well, where it really is: two -
 directory through a link would each move the other's checkpoint of a step it saves aside and point
 `latest` at its own, and the first could no longer resume. Its .owner refuses the second run after the
 first has stopped too. Taking the locks also clears what failed saves left in ckpt/ (a half-written
-.tmp-step_N/) before anything is written: on a full disk that is the room the run needs (`Lock.take`).
+.tmp-step_N/) before anything is written: on a full disk that is the room the run needs (`Lock`).
 
 Moving a run aside touches several files; a kill between two of them must not leave half a run in
 each place. So --fresh first writes a journal (.fresh.json: the files, and where they go), then moves
@@ -91,27 +91,43 @@ class Lock:
         st = os.fstat(self.fd)
         self.identity, self.ckpt_identity = (st.st_dev, st.st_ino), None
         self.note = f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}"
+        try:  # ckpt/ too, where it is; then what failed saves left there, before anything is written: on a
+            self.lock_checkpoints()  # full disk, that is the room the run needs
+            if self.ckpt_fd is not None and self.checkpoints_owner() in (None, read_run_id(out)):
+                clear_leftovers(out / "ckpt")  # (another run's directory is not touched: `take` refuses it)
+        except (OSError, RunDirError) as e:
+            self.close()
+            raise e if isinstance(e, RunDirError) else self.cannot(e) from None
+        try:
+            replace_atomically(out / ".lock", self.note)
+        except OSError as e:
+            self.close()
+            raise RunDirError(f"--out {out}: could not write {out / '.lock'} ({problem_with(e)})") from None
 
     def take(self, run: str) -> None:
-        """Once the run is known (`claim`): lock the directory its checkpoints go to, which must be this
-        run's; clear what failed saves left there; then say who holds the lock (.lock). In that order: on
-        a full disk the leftovers make the room the rest needs, and nothing else is written before."""
+        """Once the run is known (`claim`): lock the directory its checkpoints go to (made if need be:
+        --fresh moved the old one away), which must be this run's, and record that it is (.owner)."""
         try:
             self.lock_checkpoints(run)
-            clear_leftovers(self.out / "ckpt")
             self.own_checkpoints(run)
-            replace_atomically(self.out / ".lock", self.note)
         except OSError as e:
-            raise RunDirError(f"--out {self.out}: could not write {e.filename or self.out} ({problem_with(e)}); "
-                              "fix that and rerun the same command") from None
+            raise self.cannot(e) from None
 
-    def lock_checkpoints(self, run: str) -> None:
+    def cannot(self, e: OSError) -> RunDirError:
+        return RunDirError(f"--out {self.out}: {problem_with(e)} ({e.filename or self.out}); fix that and rerun "
+                           "the same command")
+
+    def lock_checkpoints(self, run: str | None = None) -> None:
         """Lock the directory the checkpoints go to, where ckpt/ is (a link may put it anywhere): two runs
         whose ckpt/ is one directory would each move the other's checkpoint of a step it saves aside and
-        point `latest` at its own. Made if need be; it must be this run's (its .owner names the run whose
-        checkpoints it holds: two runs in turn would do the same)."""
+        point `latest` at its own. Without `run`, if it is there; with it, made if need be, and it must
+        be this run's (its .owner names the run whose checkpoints it holds: two runs in turn would do the
+        same)."""
         ckpt = self.out / "ckpt"
-        ckpt.resolve().mkdir(parents=True, exist_ok=True)  # (through a link, the directory it names)
+        if run is not None:
+            ckpt.resolve().mkdir(parents=True, exist_ok=True)  # (through a link, the directory it names)
+        elif not ckpt.is_dir():
+            return
         fd = os.open(ckpt, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
         st = os.fstat(fd)
         if (st.st_dev, st.st_ino) in (self.ckpt_identity, self.identity):  # locked already (or --out itself)
@@ -129,7 +145,7 @@ class Lock:
                 os.close(self.ckpt_fd)  # (the one locked before was moved away: --fresh)
             self.ckpt_fd, self.ckpt_identity = fd, (st.st_dev, st.st_ino)
         owner = self.checkpoints_owner(whole=True)
-        if owner and owner["run"] != run:
+        if run is not None and owner and owner["run"] != run:
             raise RunDirError(f"--out {self.out}: {self.where()}, which holds the checkpoints of run {owner['run']} "
                               f"(--out {owner['out']}), not of this run ({run}); give each run a checkpoint "
                               "directory of its own, or pass --fresh to set this one aside")
