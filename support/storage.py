@@ -403,23 +403,35 @@ def wait_for(ready, what: str, timeout_s: float) -> None:
 
 def candidates(ckpt_dir: Path, log=print) -> list[Path]:
     """Checkpoint directories to try, best first: the one `latest` names, then every step_*
-    directory, newest first. An unreadable `latest` is reported and passed over."""
+    directory, newest first. An unreadable `latest` is reported and passed over. A listing taken while
+    a run commits a step and deletes an older one can name only the deleted one; `latest`, read after
+    it, then names a directory the listing missed, and the directory is listed again."""
     ckpt_dir = Path(ckpt_dir)
     if not ckpt_dir.is_dir():
         return []
-    found = sorted((p for p in ckpt_dir.glob("step_*") if STEP_DIR.fullmatch(p.name) and p.is_dir()), reverse=True)
+    for _ in range(PIN_TRIES):
+        found = sorted((p for p in ckpt_dir.glob("step_*") if STEP_DIR.fullmatch(p.name) and p.is_dir()),
+                       reverse=True)
+        name = _pointer(ckpt_dir, log)
+        if name is None or ckpt_dir / name in found or not (ckpt_dir / name).is_dir():
+            break
+    if name is not None and (ckpt_dir / name) in found:
+        found = [ckpt_dir / name] + [p for p in found if p.name != name]
+    return found
+
+
+def _pointer(ckpt_dir: Path, log=print) -> str | None:
+    """The checkpoint `latest` names, or None (none, or unreadable: said)."""
     pointer = ckpt_dir / "latest"
     try:
         name = pointer.read_text().strip() if pointer.exists() else None
     except (OSError, UnicodeDecodeError) as e:
         log(f"checkpoint pointer {pointer} is unreadable ({e.__class__.__name__}); trying every checkpoint")
-        name = None
+        return None
     if name is not None and not STEP_DIR.fullmatch(name):
         log(f"checkpoint pointer {pointer} holds {name[:40]!r}, not a checkpoint name; trying every checkpoint")
-        name = None
-    if name is not None and (ckpt_dir / name) in found:
-        found = [ckpt_dir / name] + [p for p in found if p.name != name]
-    return found
+        return None
+    return name
 
 
 class Vanished(CheckpointError):

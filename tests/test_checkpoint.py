@@ -340,3 +340,22 @@ def test_a_damaged_file_that_only_one_rank_reads_sends_every_rank_back(corpus, t
     resumed = run_train(corpus, tmp_path, *flags, "--max-steps", "3", nproc=2).stdout
     assert "rank 1: checkpoint unusable, trying an older one: " in resumed and "rank00001.safetensors" in resumed
     assert "resuming from" in resumed and "(step 1)" in resumed
+
+
+def test_a_listing_that_a_saving_run_overtakes_is_taken_again(tmp_path, monkeypatch):
+    """A reader lists ckpt/ while the run commits step 6 and deletes step 5 (--keep 1): the listing can
+    name step_00000005 alone, gone by the time it is looked at, while `latest` already names step 6.
+    Then the directory is listed again, rather than said to hold no checkpoint (sample.py on a run that
+    saves every step saw that once in 89 reads). A stand-in for the listing returns the stale one once."""
+    from support import storage
+
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "step_00000006").mkdir(parents=True)
+    (ckpt / "latest").write_text("step_00000006")
+    glob, listed = Path.glob, []
+
+    def overtaken(self, pattern):
+        listed.append(pattern)
+        return iter([ckpt / "step_00000005"]) if len(listed) == 1 else glob(self, pattern)
+    monkeypatch.setattr(Path, "glob", overtaken)
+    assert storage.candidates(ckpt) == [ckpt / "step_00000006"]
