@@ -34,6 +34,12 @@ own: a manifest that names this run), renaming each out of sight first; a reader
 run's --out) *pins* what it reads, mapping every file and checking the mapped bytes, so a cleanup cannot
 pull a checkpoint from under it (`pin`, `newest`).
 
+A resuming rank reads its own part, not the world's (`load`): under ZeRO its data-parallel piece
+of each optimizer tensor (and at stage 3 nothing more of the weights), so what it maps, hashes and
+holds shrinks with dp. Every byte used is still checked, by the rank that uses it: a file is hashed
+whole where it is mapped, the first time anything of it is read, and the ranks go on only when every
+one of them found every file it read intact (one all-reduce, `restore`).
+
 Saving costs the training loop only a copy: support/writer.py's `Saver` copies this rank's tensors
 to the host (on a GPU, on a side stream, fenced before the next update) and writes them, from a
 background thread with --async-ckpt.
@@ -65,7 +71,7 @@ import fp8
 from model import canonical_name
 from shard import take_shard, unshard
 from support import storage
-from support.storage import CheckpointError, CorruptCheckpoint, Vanished  # raised by storage.py; caught as checkpoint.*
+from support.storage import CheckpointError, CorruptCheckpoint  # (raised there; checkpoint.* here)
 from support.writer import layout_of, set_rng_state
 from zero import ZeroAdamW
 
@@ -127,10 +133,11 @@ def optimizer_steps(opt) -> torch.Tensor:
 # ----------------------------------------------------------------------------- reading
 
 
-def pin(path: Path) -> "Reader":
-    """A checkpoint opened for reading, every byte checked first (storage.pin: what is checked is what is
-    read, even if the run that wrote it deletes it meanwhile)."""
-    return Reader(Path(path), *storage.pin(path))
+def pin(path: Path, lazily: bool = False) -> "Reader":
+    """A checkpoint opened for reading, every byte checked before it is read (storage.pin: what
+    is checked is what is read, even if the run that wrote it deletes it meanwhile). Every file at
+    once; `lazily`, each when something of it is first read (a resuming rank reads its part's)."""
+    return Reader(Path(path), *storage.pin(path, names=[] if lazily else None))
 
 
 def newest(ckpt_dir: Path, log=print) -> "Reader | None":
@@ -172,12 +179,13 @@ def data_changes(now: dict, saved: dict) -> list[str]:
 
 
 class Reader:
-    """Full tensors by logical name, reassembled from whatever layout wrote them, from the mapped files
-    of a pinned checkpoint (`pin`)."""
+    """Full tensors by logical name, reassembled from whatever layout wrote them, or the part of one
+    that a parameter of this rank holds (`local`), from the mapped files of a pinned checkpoint
+    (`pin`). A file not pinned yet is mapped and checked when something of it is first read."""
 
     def __init__(self, path: Path, manifest: dict, raw: dict):
-        self.path, self.manifest, self.raw = path, manifest, raw
-        self.files = {name: storage.safetensors_tensors(raw[name], path / name) for name in manifest["files"]}
+        self.path, self.manifest, self.raw = path, manifest, raw  # raw: files mapped and checked
+        self.tensors = {}  # file name -> its tensors (views of its mapped bytes)
         self.entries = {}
         for e in manifest["tensors"]:
             self.entries.setdefault(e["name"], []).append(e)
@@ -185,13 +193,26 @@ class Reader:
     def __contains__(self, name: str) -> bool:
         return name in self.entries
 
+    def mapped(self, name: str):
+        """The bytes of file `name`, mapped and checked against the manifest when first needed."""
+        if name not in self.raw:
+            self.raw[name] = storage.pin_file(self.path, self.manifest, name)
+        return self.raw[name]
+
+    def file(self, name: str) -> dict[str, torch.Tensor]:
+        if name not in self.tensors:
+            self.tensors[name] = storage.safetensors_tensors(self.mapped(name), self.path / name)
+        return self.tensors[name]
+
     def rank_state(self, rank: int) -> dict | None:
         """The run state and RNG states rank `rank` saved (in its file's header)."""
         name = f"rank{rank:05d}.safetensors"
         if name not in self.manifest["files"]:
             return None
+        raw = self.mapped(name)  # (checked first: a damaged file is named as one)
         try:
-            return json.loads(storage.safetensors_metadata(self.path / name, self.raw[name])["nanoscale_state"])
+            header = storage.safetensors_metadata(self.path / name, raw)
+            return json.loads(header["nanoscale_state"])
         except (KeyError, ValueError):
             raise CorruptCheckpoint(f"{self.path / name}: no run state in its header") from None
 
@@ -208,52 +229,87 @@ class Reader:
             raise CorruptCheckpoint(f"{name}: {len(local)} of {spec['count']} tensor-parallel slices present")
         return local[0] if spec is None else unshard(local, spec)
 
+    def local(self, name: str, p: torch.Tensor, span: tuple | None = None) -> torch.Tensor:
+        """The slice of tensor `name` that parameter p holds on this rank (p.shard says which),
+        or elements [a, z) of it flattened (`span`: a ZeRO shard's piece of p). When the checkpoint
+        holds that very slice (the same tensor-parallel cut), only the stored pieces that overlap
+        it are read (a view of a mapped file where one piece covers it); at another --tp, all."""
+        spec = json.loads(json.dumps(getattr(p, "shard", None)))  # as the manifest spells it
+        parts = [e for e in self.entries.get(name, ()) if e["shard"] == spec]
+        if not parts:  # another tensor-parallel cut (or none stored): all of it, then p's part
+            part = cut(self.full(name), p)
+            return part if span is None else part.reshape(-1)[span[0]:span[1]]
+        if parts[0]["local_shape"] != list(p.shape):
+            shape = tuple(parts[0]["local_shape"])
+            raise CorruptCheckpoint(f"checkpoint tensor {name} of shape {shape} does not fit a "
+                                    f"parameter of shape {tuple(p.shape)}")
+        a, z = span or (0, p.numel())
+        pieces = [self.stored(e).reshape(-1)[max(a, s) - s:min(z, t) - s]
+                  for e, (s, t) in self.ranges(name, parts) if s < z and t > a]
+        flat = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        return flat if span is not None else flat.view(p.shape)
+
     def stored(self, e: dict) -> torch.Tensor:
-        t = self.files[e["file"]].get(e["key"])
+        t = self.file(e["file"]).get(e["key"])
         if t is None or list(t.shape) != (e["local_shape"] if e["flat"] is None else [e["flat"][1] - e["flat"][0]]):
             raise CorruptCheckpoint(f"{self.path / e['file']}: {e['key']} is missing or not the shape in the manifest")
         return t
 
-    def local_slice(self, name: str, parts: list[dict]) -> torch.Tensor:
-        if parts[0]["flat"] is None:
-            return self.stored(parts[0])
-        parts = sorted(parts, key=lambda e: e["flat"][0])
-        numel, pos = math.prod(parts[0]["local_shape"]), 0
-        for e in parts:
-            if e["flat"][0] != pos:
+    def ranges(self, name: str, parts: list[dict]) -> list[tuple[dict, tuple[int, int]]]:
+        """One tensor-parallel slice's stored pieces, each with the [start, stop) of the slice's
+        flattened elements it holds, in order; they cover it exactly once (read in the manifest)."""
+        numel, pos, out = math.prod(parts[0]["local_shape"]), 0, []
+        for e in sorted(parts, key=lambda e: e["flat"][0] if e["flat"] else 0):
+            s, t = e["flat"] or (0, numel)
+            if s != pos:
                 raise CorruptCheckpoint(f"{name}: flat pieces leave a gap at element {pos}")
-            pos = e["flat"][1]
+            out.append((e, (s, t)))
+            pos = t
         if pos != numel:
             raise CorruptCheckpoint(f"{name}: flat pieces cover {pos} of {numel} elements")
-        return torch.cat([self.stored(e) for e in parts]).view(parts[0]["local_shape"])
+        return out
+
+    def local_slice(self, name: str, parts: list[dict]) -> torch.Tensor:
+        pieces = [self.stored(e).reshape(-1) for e, _ in self.ranges(name, parts)]
+        return (pieces[0] if len(pieces) == 1 else torch.cat(pieces)).view(parts[0]["local_shape"])
 
 
 def load(reader: Reader, model, opt, grid) -> dict:
     """Load a pinned checkpoint into this rank's model and optimizer; return the run state ('extra', with
-    'step'). Every tensor is rebuilt whole, then cut to this rank's slice, so any layout reads any
-    other's checkpoint. Everything is read and checked before anything is changed: a checkpoint
-    that turns out to be unusable leaves the model as it was."""
-    path, manifest = reader.path, reader.manifest
+    'step'). Any layout reads any other's checkpoint: each parameter's slice is cut from what the
+    checkpoint holds (Reader.local). A rank reads only what it keeps: under ZeRO its pieces of the
+    fp32 masters and moments, and the weights only where it holds them whole (not at stage 3, which
+    rebuilds its weight shards from the masters), from the masters only where the saved weights are
+    in another dtype. So what a rank maps, checks and holds during a load is its share of the
+    checkpoint, most of it views of the mapped files. Everything is read and checked before anything
+    is changed: a checkpoint that turns out to be unusable leaves the model as it was."""
+    path = reader.path
     state0 = reader.rank_state(0)
     if state0 is None:
         raise CorruptCheckpoint(f"{path}: rank 0's file is not in the manifest")
     params = dict(model.named_parameters())
-    values, moments = {}, {}  # this rank's slices, on the CPU until everything has been read
-    for name, p in params.items():
-        key = canonical_name(name, model.config.tied)
-        master = f"{key}::master"  # ZeRO under bf16 keeps fp32 masters: the better copy of the weights
-        values[name] = local_part(reader.full(master if master in reader else key), p, device="cpu")
-        for kind in ("exp_avg", "exp_avg_sq", "master"):
-            if f"{key}::{kind}" in reader:
-                moments[name, kind] = local_part(reader.full(f"{key}::{kind}"), p, torch.float32, "cpu")
+    keys = {name: canonical_name(name, model.config.tied) for name in params}
+    values = {} if weights_sharded(opt) else \
+        {name: reader.local(weight_key(reader, keys[name], p), p) for name, p in params.items()}
+    moments = {}
+    if isinstance(opt, ZeroAdamW):  # its pieces; masters start from the weights when none were kept
+        for name, p, kind, span, _ in opt.pieces(model):
+            key = f"{keys[name]}::{kind}"
+            if key not in reader and kind == "master":
+                key = weight_key(reader, keys[name], p)
+            if key in reader:
+                moments[name, kind, span] = reader.local(key, p, span).float()
+    else:
+        for name, p in params.items():
+            for kind in ("exp_avg", "exp_avg_sq"):
+                if (key := f"{keys[name]}::{kind}") in reader:  # (a copy: the optimizer keeps it)
+                    moments[name, kind] = reader.local(key, p).to(torch.float32, copy=True)
     states = fp8.states(model)
     scales = {key: reader.full(key) for key in fp8.checkpoint_tensors(states) if key in reader}
-    mine = reader.rank_state(grid.rank) if manifest["layout"] == layout_of(grid) else None
-    for name in params:  # ZeRO's masters start from the weights when the checkpoint kept none
-        moments.setdefault((name, "master"), values[name].float())
+    mine = reader.rank_state(grid.rank) if reader.manifest["layout"] == layout_of(grid) else None
     with torch.no_grad():  # now change things
         for name, p in params.items():
-            if not weights_sharded(opt):  # ZeRO-3 rebuilds its weight shards from the masters
+            if name in values:
                 p.copy_(values[name])
     load_optimizer(opt, model, moments, state0["extra"]["opt_step"])
     if scales:
@@ -263,11 +319,20 @@ def load(reader: Reader, model, opt, grid) -> dict:
     return state0["extra"]
 
 
+def weight_key(reader: Reader, key: str, p: torch.Tensor) -> str:
+    """Where p's weights are best read: the saved weights, unless they are in another dtype than
+    p's and fp32 masters were kept (ZeRO under bf16: the masters are the better copy; stage 3 saves
+    only them). In p's dtype the saved weights are the masters rounded, as the update left them."""
+    master = f"{key}::master"
+    same_dtype = key in reader and reader.entries[key][0]["dtype"] == dtype_name(p.dtype)
+    return key if master not in reader or same_dtype else master
+
+
 def load_optimizer(opt, model, moments: dict, steps: int) -> None:
     """AdamW's state from per-parameter moments. torch's own load_state_dict puts each piece on the
     device and in the dtype this optimizer needs (fused AdamW wants its step count on the GPU)."""
-    if isinstance(opt, ZeroAdamW):  # ZeRO: cut the full moments into this rank's flat shards
-        opt.load_pieces(model, lambda name, p, kind: moments.get((name, kind)), steps)
+    if isinstance(opt, ZeroAdamW):  # ZeRO: this rank's pieces, already cut
+        opt.load_pieces(model, lambda name, p, kind, span: moments.get((name, kind, span)), steps)
         return
     index = {id(p): i for i, p in enumerate(p for group in opt.param_groups for p in group["params"])}
     state = {index[id(p)]: {"step": torch.tensor(float(steps)), "exp_avg": moments[name, "exp_avg"],
@@ -287,22 +352,39 @@ def restore(ckpt_dir: Path, model, opt, grid, meta: dict, run: str, log=print,
         return resume(memory, ckpt_dir, model, opt, grid, meta, run, log, allowed)
     tried = storage.candidates(ckpt_dir, log)
     for path in tried:
+        problem = ""
         try:
-            reader = pin(path)  # this run holds --out's lock: nothing deletes it meanwhile
+            reader = pin(path, lazily=True)  # this run holds --out's lock: nothing deletes it
             manifest = reader.manifest
             if manifest["run"] != run:
                 raise CorruptCheckpoint(f"{path} was written by another run ({manifest['run']}; this is {run})")
             check_compatible(manifest, meta, path, allowed)
-            extra, ok = load(reader, model, opt, grid), True
-        except (CorruptCheckpoint, Vanished) as e:
-            log(f"checkpoint unusable, trying an older one: {e}")
-            ok = False
-        if grid.agree(ok):
+            extra = load(reader, model, opt, grid)
+        except IncompatibleCheckpoint:  # (the manifest says so, the same on every rank)
+            raise
+        except CheckpointError as e:  # damaged (or vanished): found by the ranks that read it
+            problem = str(e)
+        if agree_usable(grid, problem, log):
             return path, extra, manifest
     if not tried:
         return None
     raise CheckpointError(f"no usable checkpoint of this run in {ckpt_dir} ({len(tried)} tried, see above): repair "
                           "or remove them, or pass --fresh to start a new run (this one is moved aside)")
+
+
+def agree_usable(grid, problem: str, log=print) -> bool:
+    """Is the checkpoint usable on every rank? Each rank read and checked the files that hold
+    its own part, so each has its own verdict (`problem`, "" when its part was intact): one
+    all-reduce of a flag per rank tells every rank all of them. The lowest rank that found a
+    problem says it, once (rank 0 may never have read the damaged file)."""
+    failed = torch.zeros(grid.world, device=grid.device)
+    failed[grid.rank] = float(bool(problem))
+    grid.all_reduce(failed, "world")
+    first = failed.nonzero().flatten().tolist()[:1]  # (a host read: once per checkpoint tried)
+    if first == [grid.rank]:
+        say = log if grid.is_logger else lambda line: print(f"rank {grid.rank}: {line}", flush=True)
+        say(f"checkpoint unusable, trying an older one: {problem}")
+    return not first
 
 
 def consolidate(source: "Path | Reader") -> dict[str, torch.Tensor]:
@@ -318,11 +400,21 @@ def local_part(full: torch.Tensor, p: torch.Tensor, dtype: torch.dtype | None = 
                device: str | torch.device | None = None) -> torch.Tensor:
     """The slice of `full` that parameter p holds on this rank (p.shard says which), on p's device
     unless another is given."""
+    return cut(full, p).to(device=device or p.device, dtype=dtype or p.dtype)
+
+
+def cut(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """take_shard(full, p.shard), checked to have p's shape."""
     part = take_shard(full, getattr(p, "shard", None))
     if part.shape != p.shape:
         raise CorruptCheckpoint(f"checkpoint tensor of shape {tuple(part.shape)} does not fit a parameter "
                                 f"of shape {tuple(p.shape)}")
-    return part.to(device=device or p.device, dtype=dtype or p.dtype)
+    return part
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> "bfloat16", as the manifest names a tensor's dtype."""
+    return str(dtype).removeprefix("torch.")
 
 
 # ----------------------------------------------------------------------------- the memory tier
@@ -446,11 +538,8 @@ def load_own(saved: dict[str, torch.Tensor], state: dict, model, opt, grid) -> N
         pieces = {key.rsplit("@", 1)[0]: (int(key.rsplit("@", 1)[1]), t)
                   for key, t in saved.items() if "@" in key}
 
-        def whole(name: str, p: torch.Tensor, kind: str) -> torch.Tensor:  # (it reads [a, a + n))
-            a, t = pieces[f"{name}::{kind}"]
-            out = torch.zeros(p.numel(), dtype=torch.float32)
-            out[a:a + t.numel()] = t
-            return out
+        def whole(name: str, p: torch.Tensor, kind: str, span: tuple) -> torch.Tensor:
+            return pieces[f"{name}::{kind}"][1]  # this rank's own piece: the span (check_own)
         opt.load_pieces(model, whole, steps)
     else:
         moments = {(name, kind): saved[f"{name}::{kind}"].clone() for name in params

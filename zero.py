@@ -153,17 +153,17 @@ class ZeroAdamW:
 
     @torch.no_grad()
     def load_pieces(self, model: torch.nn.Module, state, t: int) -> None:
-        """Fill this rank's shards from full per-parameter state: state(name, p, kind) gives p's
-        slice in fp32 (for "master", the checkpoint's weights when it kept no masters), or None for a
-        moment the checkpoint lacks (it starts from zero). Under stage 3 the weight shards are then
-        rebuilt from the masters: nothing else holds them."""
+        """Fill this rank's shards piece by piece: state(name, p, kind, (a, z)) gives elements
+        [a, z) of p's flattened slice in fp32 (for "master", the checkpoint's weights when it kept
+        no masters), or None for a moment the checkpoint lacks (it starts from zero). Under stage 3
+        the weight shards are then rebuilt from the masters: nothing else holds them."""
         self.steps.fill_(t)
-        for name, p, kind, (a, z), dst in self.pieces(model):
-            src = state(name, p, kind)
+        for name, p, kind, span, dst in self.pieces(model):
+            src = state(name, p, kind, span)
             if src is None:
                 dst.zero_()
             else:
-                dst.copy_(src.flatten()[a:z])
+                dst.copy_(src)
         if self.stage == 3:
             for st in self.shards:
                 self._publish(st)

@@ -39,8 +39,9 @@ the same step (tests/test_stats.py holds tp x pp and ZeRO runs to that):
 
     each rank sums squares (and, for the RMS, element counts) over the copies it owns:
         tensor-parallel shards: each its own part;  tensor-parallel replicas: tp rank 0's only
-        data / context-parallel replicas: dp_cp rank 0's only;  ZeRO shards: each its own part
-        the pipeline's copy of the tied embedding: never (Grid.owns, the rule clipping uses)
+        data / context-parallel replicas: one of them, each replica an equal share of the tensors
+        (`share`);  ZeRO shards: each its own part (under hybrid ZeRO, shared out like replicas)
+        the pipeline's copy of the tied embedding: never;  experts: as Grid.owns, the rule clipping uses
         activations: each rank its own rows (dp), sequence slices (cp, and tp under --sp); outputs
         that tensor parallelism replicates: tp rank 0's only
         expert loads: each data-parallel rank its own tokens (with or without --ep: the router runs
@@ -50,10 +51,11 @@ the same step (tests/test_stats.py holds tp x pp and ZeRO runs to that):
     zeros elsewhere, so the sum is the gather too. Then per layer: sqrt, and the ratio.
 
 So a stats step costs one small all-reduce (5 numbers per layer, and E + 1 per MoE layer), a copy of
-this rank's weights (or, under ZeRO, of its master shard) held across the optimizer step, and a
-square-and-sum of every block output. That is why it runs only every --stats-every steps
-(tests/bench_stats.py measures it). It reads and never writes: the losses of a run are bitwise the
-same with and without it.
+the weights this rank counts (its share of the replicated ones, or, under ZeRO, of its master shard)
+held across the optimizer step, and a square-and-sum of every block output. (Were every replica's count
+on dp rank 0, as clipping's rule puts it, that copy would be 4 bytes per parameter on that rank alone.)
+That is why it runs only every --stats-every steps (tests/bench_stats.py measures it). It reads and
+never writes: the losses of a run are bitwise the same with and without it.
 """
 
 import torch
@@ -69,6 +71,17 @@ from zero import ZeroAdamW
 
 def layer_names(n_layer: int) -> list[str]:
     return ["embed"] + [f"h.{i}" for i in range(n_layer)] + ["ln_f"]
+
+
+def share(sizes: list[int], n: int) -> list[int]:
+    """Which of n replicas counts each of the pieces of these sizes: the largest first, each to the replica
+    that counts the fewest elements so far (every replica computes the same, from the same pieces in the
+    same order). Each counts, and a statistics step copies, at most 1/n of them and one piece more."""
+    load, out = [0] * n, [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        out[i] = load.index(min(load))
+        load[out[i]] += sizes[i]
+    return out
 
 
 def layer_of(name: str) -> str:
@@ -155,13 +168,21 @@ class LayerStats(Observer):
         g = self.grid
         if self.zero:
             grads = {(id(p), a): grad for p, a, _, grad in self.sync.shard_pieces()}
-            for _, p, kind, (a, _), w in self.opt.pieces(self.model):
-                if kind == "master" and g.owns(p, replicated_over_dp=False):
-                    yield self.index[id(p)], grads[(id(p), a)], w
+            pieces = [(p, grads[(id(p), a)], w) for _, p, kind, (a, _), w in self.opt.pieces(self.model)
+                      if kind == "master"]
+            # (hybrid ZeRO: the shard groups hold replicas of each other's shards)
+            replicas, place = g.dp_cp // g.zs, g.zr_rank
         else:
-            for p in self.model.parameters():
-                if p.grad is not None and g.owns(p):  # a data-parallel replica counts on dp_cp rank 0
-                    yield self.index[id(p)], p.grad, p.detach()
+            pieces = [(p, p.grad, p.detach()) for p in self.model.parameters() if p.grad is not None]
+            replicas, place = g.dp_cp, g.dp_cp_rank
+        spread = [(p, grad, w) for p, grad, w in pieces  # a replica's count, spread over its replicas
+                  if not getattr(p, "expert", False) and not getattr(p, "tied_copy", False)
+                  and (getattr(p, "shard", None) is not None or g.tp_rank == 0)]
+        here = share([w.numel() for _, _, w in spread], replicas)
+        counted = {id(w) for (_, _, w), j in zip(spread, here) if j == place}
+        for p, grad, w in pieces:
+            if id(w) in counted or getattr(p, "expert", False) and g.owns(p, replicated_over_dp=not self.zero):
+                yield self.index[id(p)], grad, w
 
     def after_grads(self) -> None:
         if not self.active:

@@ -9,7 +9,9 @@
         metrics.jsonl   one JSON line per optimizer step, and one per event (start, resume, spike, checkpoint,
                         and every --stats-every steps `layers`: per-layer statistics, stats.py)
         report.html     the dashboard of metrics.jsonl (dashboard.py), rewritten as the run goes
-        ckpt/           the checkpoints (checkpoint.py); each one records the run id that wrote it
+        ckpt/           the checkpoints (checkpoint.py); each one records the run id that wrote it. It may be a
+                        link to a directory elsewhere; that directory is locked too (flock), and its .owner
+                        ({"run", "out"}) names the run whose checkpoints it holds
         previous/       what --fresh moved aside: earlier runs' run.json, metrics.jsonl, report.html and ckpt/
         .fresh.json     only while --fresh moves a run aside: what goes where (see `move_aside`)
 
@@ -24,12 +26,19 @@ and the next process then locks a new file of the same name and both write here.
 be swapped while it is open; if it is moved away or run.json changes hands anyway (a process that
 ignores the lock, a person), `Lock.problem` notices before the next checkpoint is written.
 
+The directory the checkpoints go to is locked as well, where it really is: two --out whose ckpt/ is one
+directory through a link would each move the other's checkpoint of a step it saves aside and point
+`latest` at its own, and the first could no longer resume. Its .owner refuses the second run after the
+first has stopped too. Taking the locks also clears what failed saves left in ckpt/ (a half-written
+.tmp-step_N/) before anything is written: on a full disk that is the room the run needs (`Lock`).
+
 Moving a run aside touches several files; a kill between two of them must not leave half a run in
 each place. So --fresh first writes a journal (.fresh.json: the files, and where they go), then moves
 them, then deletes it: whatever stops the process, the next run on this --out finds the journal and
 finishes the move before anything else (`claim`).
 """
 
+import errno
 import fcntl
 import json
 import os
@@ -38,7 +47,7 @@ import socket
 import time
 from pathlib import Path
 
-from support.storage import fsync_dir, replace_atomically
+from support.storage import clear_leftovers, fsync_dir, replace_atomically
 
 
 class RunDirError(ValueError):
@@ -66,10 +75,11 @@ def check_out(out: Path) -> None:
 
 
 class Lock:
-    """The exclusive lock on --out: an flock on the directory, held while this object lives (rank 0)."""
+    """The exclusive lock on --out, and on the directory its checkpoints go to (ckpt/, or where a link
+    puts it): flocks on the directories, held while this object lives (rank 0)."""
 
     def __init__(self, out: Path):
-        self.out, self.fd = out, None  # (set first: __del__ runs even when os.open fails)
+        self.out, self.fd, self.ckpt_fd = out, None, None  # (set first: __del__ runs even when os.open fails)
         self.fd = os.open(out, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -79,17 +89,89 @@ class Lock:
             raise RunDirError(f"--out {out} is in use by {holder or 'another process'}; wait for it to finish, or "
                               "choose another --out") from None
         st = os.fstat(self.fd)
-        self.identity = (st.st_dev, st.st_ino)
+        self.identity, self.ckpt_identity = (st.st_dev, st.st_ino), None
         self.note = f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}"
+        try:  # ckpt/ too, where it is; then what failed saves left there, before anything is written: on a
+            self.lock_checkpoints()  # full disk, that is the room the run needs
+            if self.ckpt_fd is not None and self.checkpoints_owner() in (None, read_run_id(out)):
+                clear_leftovers(out / "ckpt")  # (another run's directory is not touched: `take` refuses it)
+        except (OSError, RunDirError) as e:
+            self.close()
+            raise e if isinstance(e, RunDirError) else self.cannot(e) from None
         try:
             replace_atomically(out / ".lock", self.note)
         except OSError as e:
             self.close()
             raise RunDirError(f"--out {out}: could not write {out / '.lock'} ({problem_with(e)})") from None
 
+    def take(self, run: str) -> None:
+        """Once the run is known (`claim`): lock the directory its checkpoints go to (made if need be:
+        --fresh moved the old one away), which must be this run's, and record that it is (.owner)."""
+        try:
+            self.lock_checkpoints(run)
+            self.own_checkpoints(run)
+        except OSError as e:
+            raise self.cannot(e) from None
+
+    def cannot(self, e: OSError) -> RunDirError:
+        return RunDirError(f"--out {self.out}: {problem_with(e)} ({e.filename or self.out}); fix that and rerun "
+                           "the same command")
+
+    def lock_checkpoints(self, run: str | None = None) -> None:
+        """Lock the directory the checkpoints go to, where ckpt/ is (a link may put it anywhere): two runs
+        whose ckpt/ is one directory would each move the other's checkpoint of a step it saves aside and
+        point `latest` at its own. Without `run`, if it is there; with it, made if need be, and it must
+        be this run's (its .owner names the run whose checkpoints it holds: two runs in turn would do the
+        same)."""
+        ckpt = self.out / "ckpt"
+        if run is not None:
+            ckpt.resolve().mkdir(parents=True, exist_ok=True)  # (through a link, the directory it names)
+        elif not ckpt.is_dir():
+            return
+        fd = os.open(ckpt, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) in (self.ckpt_identity, self.identity):  # locked already (or --out itself)
+            os.close(fd)
+        else:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                owner = self.checkpoints_owner(whole=True) or {}
+                holder = f"run {owner['run']} (--out {owner['out']})" if owner else "another process"
+                raise RunDirError(f"--out {self.out}: {self.where()}, which {holder} is using; give each run a "
+                                  "checkpoint directory of its own") from None
+            if self.ckpt_fd is not None:
+                os.close(self.ckpt_fd)  # (the one locked before was moved away: --fresh)
+            self.ckpt_fd, self.ckpt_identity = fd, (st.st_dev, st.st_ino)
+        owner = self.checkpoints_owner(whole=True)
+        if run is not None and owner and owner["run"] != run:
+            raise RunDirError(f"--out {self.out}: {self.where()}, which holds the checkpoints of run {owner['run']} "
+                              f"(--out {owner['out']}), not of this run ({run}); give each run a checkpoint "
+                              "directory of its own, or pass --fresh to set this one aside")
+
+    def own_checkpoints(self, run: str) -> None:
+        """Record in ckpt/ that it holds this run's checkpoints (.owner), unless it says so already."""
+        if self.checkpoints_owner(whole=True) != {"run": run, "out": str(self.out.resolve())}:
+            replace_atomically(self.out / "ckpt" / OWNER, json.dumps({"run": run, "out": str(self.out.resolve())}))
+
+    def checkpoints_owner(self, whole: bool = False):
+        """The run whose checkpoints ckpt/ holds (its .owner; None when it names none): its id, or with
+        `whole` {"run", "out"}."""
+        try:
+            owner = json.loads((self.out / "ckpt" / OWNER).read_text())
+            return owner if whole else owner["run"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def where(self) -> str:
+        ckpt = self.out / "ckpt"
+        return f"its checkpoints go to {ckpt.resolve()}" + (f" (through the link {ckpt})" if ckpt.is_symlink() else "")
+
     def problem(self, run: str) -> str:
         """Why another process may be writing here ("" when none): the directory at --out is no longer
-        the one locked, run.json names another run, or .lock another holder."""
+        the one locked, run.json names another run, or .lock another holder, or the checkpoints now go
+        to a directory another run holds."""
         try:
             st = os.stat(self.out)
             if (st.st_dev, st.st_ino) != self.identity:
@@ -103,14 +185,25 @@ class Lock:
                 return f"{self.out / '.lock'} now names {note!r} (this run is {self.note!r})"
         except (OSError, RunDirError) as e:
             return f"--out {self.out} cannot be read ({e})"
+        try:
+            self.lock_checkpoints(run)  # ckpt/ deleted: made again; now another run's: refused
+            self.own_checkpoints(run)
+        except RunDirError as e:
+            return str(e)
+        except OSError:  # (a full or read-only disk: the save says so)
+            pass
         return ""
 
     def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)  # the kernel releases the flock
-            self.fd = None
+        for name in ("ckpt_fd", "fd"):
+            if getattr(self, name, None) is not None:
+                os.close(getattr(self, name))  # the kernel releases the flock
+                setattr(self, name, None)
 
     __del__ = close  # like a file object: a lock no one holds any more is released
+
+
+OWNER = ".owner"  # in the checkpoint directory: {"run", "out"}, the run whose checkpoints it holds
 
 
 def lock(out: Path) -> Lock:
@@ -121,16 +214,19 @@ def lock(out: Path) -> Lock:
 
 
 def claim_on_every_rank(out: Path, fresh: bool, grid, log=print) -> tuple[Lock | None, str]:
-    """Rank 0 locks --out and settles which run it holds (`lock`, `claim`); every rank learns the outcome
-    (`grid`, a parallel.Grid, agrees), so a refused launch stops everywhere at once instead of leaving
-    ranks waiting. Returns (rank 0's lock, the run's id)."""
+    """Rank 0 locks --out and settles which run it holds (`lock`, `claim`), then locks and owns the
+    directory its checkpoints go to; every rank learns the outcome (`grid`, a parallel.Grid, agrees), so a
+    refused launch stops everywhere at once instead of leaving ranks waiting. Returns (rank 0's lock, the
+    run's id)."""
     held, problem = None, ""
     if grid.rank == 0:
         try:
             held = lock(out)
-            claim(out, fresh, log=log)
+            held.take(claim(out, fresh, log=log))
         except RunDirError as e:
             problem = str(e)
+            if held is not None:
+                held.close()
     raise_on_every_rank(grid, problem, "rank 0 could not claim --out (its error says why)")
     return held, read_run_id(out)
 
@@ -280,7 +376,10 @@ class Metrics:
         if not self.enabled:
             return
         line = memoryview((json.dumps(row) + "\n").encode())
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError as e:  # (--out made read-only, or its disk gone, mid-run)
+            raise RunDirError(self.cannot_write(e)) from None
         try:
             size = os.lseek(fd, 0, os.SEEK_END)
             try:
@@ -293,7 +392,8 @@ class Metrics:
             os.close(fd)
 
     def cannot_write(self, e: OSError) -> str:
-        return (f"could not write {self.path} ({problem_with(e)}); make room, then rerun the same command: it "
+        fix = "make room" if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT) else "fix that"
+        return (f"could not write {self.path} ({problem_with(e)}); {fix}, then rerun the same command: it "
                 "continues from the last checkpoint")
 
 

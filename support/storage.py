@@ -40,8 +40,10 @@ the files that hold it.
 
 4. How a checkpoint directory appears and goes away whole, and how a reader holds on to one (section 4
    below): written aside and renamed into place, `latest` moved last (`prepare`, `commit`), only the
-   run's own deleted beyond --keep, renamed out of sight first (`prune`); a reader maps and checks every
-   file before it reads (`pin`, `newest`), so a cleanup cannot pull a checkpoint from under it.
+   run's own deleted beyond --keep, renamed out of sight first (`prune`), and what an unfinished save
+   left removed (`clear_leftovers`); a reader maps and checks every file before it reads (`pin`,
+   `newest`), so a cleanup cannot pull a checkpoint from under it, or each file as it first needs it
+   (`pin_file`: a resuming rank reads only the files that hold its part).
 """
 
 import hashlib
@@ -315,10 +317,19 @@ def prepare(ckpt_dir: Path, tmp: Path, run: str) -> None:
     replaces it (removed here, before the ranks agree to save, so no rank mistakes the old directory for
     the new commit). The run holds the lock on its --out: nobody else writes here."""
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    for stale in [*ckpt_dir.glob(".tmp-step_*"), *ckpt_dir.glob(".del-step_*")]:
-        shutil.rmtree(stale)
+    clear_leftovers(ckpt_dir)
     make_way(ckpt_dir / tmp.name.removeprefix(".tmp-"), run)
     tmp.mkdir()
+
+
+def clear_leftovers(ckpt_dir: Path) -> None:
+    """Remove what saves and cleanups that did not finish left: .tmp-step_N/ (a save killed, or cut off by a
+    full disk, half way) and .del-step_N/ (a deletion killed half way). Before every save, and when a run
+    starts (rundir.Lock), before it writes anything: on a full disk they hold the space the run needs. Only
+    directories: a file of such a name is no save's, and stays (a save that needs the name says so)."""
+    for stale in [*Path(ckpt_dir).glob(".tmp-step_*"), *Path(ckpt_dir).glob(".del-step_*")]:
+        if stale.is_dir() and not stale.is_symlink():
+            shutil.rmtree(stale)
 
 
 def commit(tmp: Path, final: Path, manifest: dict, ranks: int, timeout_s: float, keep: int) -> None:
@@ -392,23 +403,35 @@ def wait_for(ready, what: str, timeout_s: float) -> None:
 
 def candidates(ckpt_dir: Path, log=print) -> list[Path]:
     """Checkpoint directories to try, best first: the one `latest` names, then every step_*
-    directory, newest first. An unreadable `latest` is reported and passed over."""
+    directory, newest first. An unreadable `latest` is reported and passed over. A listing taken while
+    a run commits a step and deletes an older one can name only the deleted one; `latest`, read after
+    it, then names a directory the listing missed, and the directory is listed again."""
     ckpt_dir = Path(ckpt_dir)
     if not ckpt_dir.is_dir():
         return []
-    found = sorted((p for p in ckpt_dir.glob("step_*") if STEP_DIR.fullmatch(p.name) and p.is_dir()), reverse=True)
+    for _ in range(PIN_TRIES):
+        found = sorted((p for p in ckpt_dir.glob("step_*") if STEP_DIR.fullmatch(p.name) and p.is_dir()),
+                       reverse=True)
+        name = _pointer(ckpt_dir, log)
+        if name is None or ckpt_dir / name in found or not (ckpt_dir / name).is_dir():
+            break
+    if name is not None and (ckpt_dir / name) in found:
+        found = [ckpt_dir / name] + [p for p in found if p.name != name]
+    return found
+
+
+def _pointer(ckpt_dir: Path, log=print) -> str | None:
+    """The checkpoint `latest` names, or None (none, or unreadable: said)."""
     pointer = ckpt_dir / "latest"
     try:
         name = pointer.read_text().strip() if pointer.exists() else None
     except (OSError, UnicodeDecodeError) as e:
         log(f"checkpoint pointer {pointer} is unreadable ({e.__class__.__name__}); trying every checkpoint")
-        name = None
+        return None
     if name is not None and not STEP_DIR.fullmatch(name):
         log(f"checkpoint pointer {pointer} holds {name[:40]!r}, not a checkpoint name; trying every checkpoint")
-        name = None
-    if name is not None and (ckpt_dir / name) in found:
-        found = [ckpt_dir / name] + [p for p in found if p.name != name]
-    return found
+        return None
+    return name
 
 
 class Vanished(CheckpointError):
@@ -420,23 +443,36 @@ class Vanished(CheckpointError):
 PIN_TRIES = 10  # listings a reader tries when the checkpoints keep vanishing under it
 
 
-def pin(path: Path) -> tuple[dict, dict[str, np.ndarray]]:
+def pin(path: Path, names=None) -> tuple[dict, dict[str, np.ndarray]]:
     """Open a checkpoint for reading, and check all of it: (its manifest, its files mapped). The manifest
     first (its own sha256 and schema), then every file, mapped (`map_file`) and hashed in place, so that
     what was checked is what is read. A mapped file stays readable after it is deleted, so once pinned a
     checkpoint is read whole even if its run deletes it meanwhile. One that disappears or changes while it
-    is being opened raises Vanished."""
+    is being opened raises Vanished. `names`: only those files now (a reader pins the others as it needs
+    them, `pin_file`: a resuming rank reads only the files that hold its part)."""
     path, manifest = Path(path), None
     try:
         manifest = read_manifest(path)
-        raw = {name: _map(path / name) for name in manifest["files"]}
-        for name, want in manifest["files"].items():
-            verify_mapped(raw[name], want, path / name)
+        raw = {name: _map(path / name) for name in (manifest["files"] if names is None else names)}
+        for name in raw:
+            verify_mapped(raw[name], manifest["files"][name], path / name)
     except CheckpointError:
         if not _unchanged(path, manifest):
             raise Vanished(f"{path} was deleted or replaced while it was being read") from None
         raise
     return manifest, raw
+
+
+def pin_file(path: Path, manifest: dict, name: str) -> np.ndarray:
+    """One more file of a checkpoint that `pin` opened (`manifest`), mapped and checked against that manifest."""
+    try:
+        raw = _map(path / name)
+        verify_mapped(raw, manifest["files"][name], path / name)
+        return raw
+    except CheckpointError:
+        if not _unchanged(path, manifest):
+            raise Vanished(f"{path} was deleted or replaced while it was being read") from None
+        raise
 
 
 def _map(file: Path):

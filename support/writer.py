@@ -15,9 +15,10 @@ pinned buffers, issued on a side CUDA stream so that it overlaps the next forwar
 that copy (`Saver.fence`). Nothing of it is read on the host before then, not even the optimizer's
 step count (a tensor, copied with the rest). A background thread then writes the file. Its heavy
 parts, writing, hashing and fsync, release Python's GIL, so the training thread keeps launching
-work meanwhile. When the disk is slower than --ckpt-every steps, a save finds the previous one
-still being written: a periodic save is skipped, with one line, rather than stopping the loop to
-wait (the final save waits); --keep counts the checkpoints that were written.
+work meanwhile (the thread first makes the run's GPU its own: `use_device`). When the disk is slower
+than --ckpt-every steps, a save finds the previous one still being written: a periodic save is
+skipped, with one line, rather than stopping the loop to wait (the final save waits); --keep counts
+the checkpoints that were written. A write that fails (a full disk) takes its files back with it.
 
 A rank's file also carries, in its header, what continues the run exactly on the same layout: the run
 state (loader position, loss scaler, ...) and every random stream the process draws from (`rng_state`).
@@ -27,6 +28,7 @@ import base64
 import json
 import os
 import random
+import shutil
 import signal
 import threading
 import time
@@ -70,6 +72,14 @@ def set_rng_state(state: dict, device: torch.device) -> None:
     torch.set_rng_state(_unb64(state["torch"]))
     if state["cuda"] is not None and device.type == "cuda":
         torch.cuda.set_rng_state(_unb64(state["cuda"]), device)
+
+
+def use_device(device: torch.device) -> None:
+    """Make the run's GPU this thread's. A new thread starts on GPU 0, whatever its process chose, and its
+    first CUDA call (the writer's wait for the copy) would create a context there: ~0.5 GB of GPU 0 for
+    every rank of the machine."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 def layout_of(grid) -> dict:
@@ -157,7 +167,7 @@ class Saver:
             self.thread = threading.Thread(target=self._write_catching, args=(job,), name="ckpt-writer")
             self.thread.start()
         else:
-            self._fail_cleanly(step, self._write, job)
+            self._fail_cleanly(step, self._write_or_discard, job)
         job.record["blocking_s"] = time.perf_counter() - t0  # what the training loop paid
         return True
 
@@ -215,10 +225,27 @@ class Saver:
         return host
 
     def _write_catching(self, job: "Write") -> None:
+        """The background thread: the write, its error kept for the next wait()."""
         try:
-            self._fail_cleanly(job.step, self._write, job)
+            use_device(self.grid.device)
+            self._fail_cleanly(job.step, self._write_or_discard, job)
         except BaseException as e:  # surfaced by the next wait()
             self.error = e
+
+    def _write_or_discard(self, job: "Write") -> None:
+        """_write, or on a failed write (a full disk) none of it left behind: this rank's files, and on rank 0
+        the whole temporary directory (the others' writes into it then fail too, and each says so)."""
+        try:
+            self._write(job)
+        except OSError:
+            if self.grid.rank == 0:
+                shutil.rmtree(job.tmp, ignore_errors=True)
+            for name in (f"rank{self.grid.rank:05d}.safetensors", f"rank{self.grid.rank:05d}.json"):
+                try:
+                    (job.tmp / name).unlink(missing_ok=True)
+                except OSError:  # (a disk gone read-only: the next run clears it, storage.clear_leftovers)
+                    pass
+            raise
 
     def _write(self, job: "Write") -> None:
         if job.copied is not None:

@@ -1,13 +1,15 @@
 """checkpoint.py and the guards: a run can die at any instant and continue as if it had not."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, final_weights, metrics, run_train
+from conftest import ROOT, TINY, final_weights, metrics, run_train
 
 import checkpoint
 
@@ -64,7 +66,9 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous(damage, corpus, tm
     assert checkpoint.latest(tmp_path / "ckpt", log=messages.append).name == "step_00000004"
     assert "rank00000.safetensors" in messages[0] and ("sha256" in messages[0] or "truncated" in messages[0])
     resumed = run_train(corpus, tmp_path, *RUN, "--max-steps", "8", "--keep", "3")
-    assert "checkpoint unusable" in resumed.stdout and "(step 4)" in resumed.stdout
+    assert "(step 4)" in resumed.stdout
+    unusable = next(line for line in resumed.stdout.splitlines() if "checkpoint unusable" in line)
+    assert "rank00000.safetensors" in unusable and ("sha256" in unusable or "truncated" in unusable), unusable
 
 
 def test_incompatible_checkpoint_is_refused(corpus, tmp_path):
@@ -247,3 +251,111 @@ def test_a_save_that_finds_the_last_one_still_writing_is_skipped_not_waited_for(
     ckpt = tmp_path / "ckpt"
     assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_00000002", "step_00000006"]
     assert (ckpt / "latest").read_text() == "step_00000006"
+
+
+# ----------------------------------------------------------------------------- what a resume costs a rank
+
+
+def test_a_zero3_resume_reads_checks_and_holds_only_each_ranks_share(corpus, tmp_path):
+    """Resuming --zero 3 at dp 4 (tests/resume_memory.py follows each rank): a rank maps only the files
+    that hold its part (its own, and rank 0's for the run state), hashes each of those once, whole, and
+    allocates during the load at most its own optimizer state (12 bytes per parameter / dp) and 64 KiB:
+    its pieces are views of the mapped files. Before: every rank mapped and hashed every file of the
+    world, and held every parameter's slice and its three fp32 moments whole (16 bytes per parameter)."""
+    flags = ["--zero", "3", "--n-layer", "8", "--ckpt-every", "0", "--eval-every", "100"]
+    run_train(corpus, tmp_path, *flags, "--max-steps", "2", nproc=4)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+           str(ROOT / "tests" / "resume_memory.py"), *TINY, "--data", corpus["data"], "--cache-dir", corpus["cache"],
+           "--out", str(tmp_path), *flags]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert sorted(r["rank"] for r in ranks) == [0, 1, 2, 3]
+    for r in ranks:
+        assert r["step"] == 2 and len(r["sizes"]) == 4
+        assert r["hashed"] == r["mapped"] == {name: r["sizes"][name] for name in r["mapped"]}, r
+        assert set(r["mapped"]) <= {"rank00000.safetensors", f"rank{r['rank']:05d}.safetensors"}, r
+        assert r["peak"] <= r["state"] + 64 * 2**10, f"rank {r['rank']}: {r['peak']:,} bytes at the peak: {r}"
+
+
+def test_the_background_writer_computes_on_the_runs_gpu(tmp_path, monkeypatch):
+    """A new thread's current GPU is GPU 0, whatever its process chose: the writer's first CUDA call
+    (waiting for the copy to the host) would make a context on GPU 0 for every rank (~0.5 GB each). So
+    the writer thread sets the run's device first. Here a rank on GPU 1, on a CPU: the copy and the RNG
+    states are stand-ins, and a recorder stands in for torch.cuda.set_device (tests/test_gpu.py checks
+    the thread's device on a GPU)."""
+    import threading
+
+    from support import writer
+
+    set_to = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: set_to.append((d, threading.current_thread().name)))
+    monkeypatch.setattr(writer, "rng_state", lambda device: {})
+    monkeypatch.setattr(writer.Saver, "_to_host", lambda self, tensors: {k: t.clone() for k, t in tensors.items()})
+    m, opt = trained_tiny()
+    s = saver(tmp_path, asynchronous=True)
+    s.grid.device = torch.device("cuda", 1)
+    assert save(s, 1, m, opt, extra={}, meta={})
+    s.wait()
+    assert set_to == [(torch.device("cuda", 1), "ckpt-writer")]
+    assert (tmp_path / "ckpt" / "latest").read_text() == "step_00000001"
+
+
+def check_writer_device(out: str) -> None:
+    """An asynchronous save on the run's GPU (GPU 1 where there are two, as LOCAL_RANK 1's; else GPU 0): the
+    writer thread computes on that GPU. A new thread starts on GPU 0, and its first CUDA call (the wait for
+    the copy to the host) used to create a context there: ~0.5 GB of GPU 0 per rank (writer.use_device)."""
+    import model as gpt
+    import parallel
+    from support import writer
+
+    device = torch.device("cuda", min(torch.cuda.device_count(), 2) - 1)
+    torch.cuda.set_device(device)  # what train.py does for its rank (support/devices.py)
+    model = gpt.build(gpt.config_from_preset("tiny", 257), seed=0).to(device)
+    opt = torch.optim.AdamW(model.parameters(), fused=True)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    saver = writer.Saver(Path(out) / "ckpt", keep=2, asynchronous=True, grid=parallel.Grid(device=device), run="r")
+    seen, write = [], saver._write
+    saver._write = lambda job: (seen.append(torch.cuda.current_device()), write(job))[1]
+    saver.save(1, checkpoint.tensor_entries(model, opt, saver.grid), checkpoint.optimizer_steps(opt),
+               extra={"step": 1}, meta={})
+    saver.wait()
+    assert seen == [device.index], f"the writer thread ran on GPU {seen}, the run on GPU {device.index}"
+    assert (Path(out) / "ckpt" / "latest").read_text() == "step_00000001"
+
+
+def test_a_damaged_file_that_only_one_rank_reads_sends_every_rank_back(corpus, tmp_path):
+    """--zero 3 at dp 2: rank 1's file holds rank 1's shard, which only rank 1 reads on a resume at the
+    same layout. Damaged, rank 1 finds it (its hash), says so, and every rank falls back together to the
+    previous checkpoint: the one all-reduce of their verdicts, restore's."""
+    flags = ["--zero", "3", "--ckpt-every", "1", "--eval-every", "100"]
+    run_train(corpus, tmp_path, *flags, "--max-steps", "2", nproc=2)
+    victim = tmp_path / "ckpt" / "step_00000002" / "rank00001.safetensors"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+    resumed = run_train(corpus, tmp_path, *flags, "--max-steps", "3", nproc=2).stdout
+    assert "rank 1: checkpoint unusable, trying an older one: " in resumed and "rank00001.safetensors" in resumed
+    assert "resuming from" in resumed and "(step 1)" in resumed
+
+
+def test_a_listing_that_a_saving_run_overtakes_is_taken_again(tmp_path, monkeypatch):
+    """A reader lists ckpt/ while the run commits step 6 and deletes step 5 (--keep 1): the listing can
+    name step_00000005 alone, gone by the time it is looked at, while `latest` already names step 6.
+    Then the directory is listed again, rather than said to hold no checkpoint (sample.py on a run that
+    saves every step saw that once in 89 reads). A stand-in for the listing returns the stale one once."""
+    from support import storage
+
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "step_00000006").mkdir(parents=True)
+    (ckpt / "latest").write_text("step_00000006")
+    glob, listed = Path.glob, []
+
+    def overtaken(self, pattern):
+        listed.append(pattern)
+        return iter([ckpt / "step_00000005"]) if len(listed) == 1 else glob(self, pattern)
+    monkeypatch.setattr(Path, "glob", overtaken)
+    assert storage.candidates(ckpt) == [ckpt / "step_00000006"]

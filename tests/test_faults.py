@@ -210,7 +210,11 @@ def test_fresh_moves_the_old_run_aside_and_never_falls_back_into_it(straight, co
 
 def test_a_checkpoint_of_another_run_is_never_loaded(straight, corpus, tmp_path):
     out = copy_of(straight, tmp_path)
+    owner = json.loads((out / "run.json").read_text())["run"]
     (out / "run.json").write_text(json.dumps({"run": "someone-else"}))
+    refused = last_line(run_train(corpus, out, *RUN, check=False))  # ckpt/.owner names the run that wrote them
+    assert f"which holds the checkpoints of run {owner}" in refused and "not of this run (someone-else)" in refused
+    (out / "ckpt" / ".owner").unlink()  # a directory from before .owner: each checkpoint's manifest says whose
     result = run_train(corpus, out, *RUN, check=False)
     assert "no usable checkpoint of this run" in last_line(result)
     assert "written by another run" in result.stdout

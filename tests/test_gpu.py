@@ -4,12 +4,9 @@ here also has a CPU test (tests/test_kernels.py runs the same kernel in the Trit
 Where the code runs. conftest.py sets TRITON_INTERPRET=1 for the whole pytest session, before kernels.py
 is imported, so in *this* process our kernel is interpreted (numpy, on the CPU). Everything that must run
 the kernel compiled for the GPU therefore runs in a fresh `python` without the interpreter: `run_python`
-starts one per snippet, all at once, and fails with the stderr of any that fails. A snippet imports this
-file and calls one of the `check_*` functions below. Each takes its device as an argument, so it can be
-dry-run on a CPU in the interpreter (fp16 or fp32 there; the interpreter's bf16 tl.dot is wrong):
-
-    TRITON_INTERPRET=1 python -c "import sys; sys.path[:0] = ['.', 'tests']; import test_gpu; \\
-        test_gpu.check_kernel('cpu', 'float16', 16, [1, 17, 100])"
+starts one per snippet, all at once, and fails with the stderr of any that fails. A snippet calls one of
+the `check_*` functions, which take their device, so each can be dry-run on a CPU in the interpreter
+(fp16 or fp32 there; its bf16 tl.dot is wrong), e.g. `test_gpu.check_kernel('cpu', 'float16', 16, [1])`.
 """
 
 import json
@@ -598,3 +595,6 @@ def test_ring_attention_off_the_kernel_grows_linearly_on_cuda(monkeypatch):
 def test_expert_parallel_rows_cross_in_bf16_and_the_gpu_is_read_once():
     import test_moe  # its check_exchange, under CUDA's autocast (where index_copy does not promote)
     test_moe.check_exchange("cuda")
+
+def test_the_checkpoint_writer_thread_computes_on_the_runs_gpu(tmp_path):  # (GPU 1 where there are 2)
+    run_python(f"import test_checkpoint; test_checkpoint.check_writer_device({str(tmp_path / 'run')!r})")

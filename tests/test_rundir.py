@@ -7,6 +7,7 @@ part way and the next fails (EFBIG, "File too large", where a full disk says ENO
 through the code as a disk that fills mid-line, and it needs no root and no special file system.
 """
 
+import errno
 import json
 import os
 import resource
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, run_train, train_command
 
+import parallel
 from support import rundir
 
 
@@ -148,6 +150,44 @@ def test_deleting_the_lock_file_lets_no_second_run_in_and_a_foreign_writer_stops
     assert len(set((tmp_path / "ckpt").glob("step_*")) - saved) <= 1
 
 
+def test_two_runs_whose_checkpoints_are_one_directory_through_a_link_are_refused(corpus, tmp_path):
+    """Two --out whose ckpt/ is one directory (the second's a link to the first's): each run would move the
+    other's checkpoint of the same step aside and point `latest` at its own, and the first could no longer
+    resume. The directory the checkpoints go to is locked too, and remembers whose it is (.owner): the
+    second run is one line and exit 2, while the first trains and after it has stopped, and the first
+    resumes from its own checkpoints."""
+    first_out, second_out = tmp_path / "first", tmp_path / "second"
+    first = subprocess.Popen(train_command(corpus, first_out, "--max-steps", "100000", "--eval-every", "100000",
+                                           "--ckpt-every", "2"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT)
+    second_out.mkdir()
+    (second_out / "run.json").write_text(json.dumps({"run": "second"}))  # a run of its own, checkpoints elsewhere
+    (second_out / "ckpt").symlink_to(first_out / "ckpt")
+    try:
+        while not (first_out / "ckpt" / "latest").exists():
+            assert first.poll() is None, first.communicate()[1][-3000:]
+            time.sleep(0.1)
+        while_running = run_train(corpus, second_out, "--ckpt-every", "2", check=False)
+        assert first.poll() is None  # (the first run still held its lock)
+    finally:
+        first.kill()
+        first.wait()
+    run = json.loads((first_out / "run.json").read_text())["run"]
+    real = (first_out / "ckpt").resolve()
+    assert while_running.returncode == 2
+    assert last_line(while_running).startswith(f"error: --out {second_out}: its checkpoints go to {real} (through "
+                                               f"the link {second_out / 'ckpt'}), which run {run} (--out ")
+    after = run_train(corpus, second_out, "--ckpt-every", "2", check=False)
+    assert after.returncode == 2
+    assert f"which holds the checkpoints of run {run} (--out {first_out.resolve()})" in last_line(after)
+    assert not list(real.glob("*moved-aside*"))
+    step = int((real / "latest").read_text().removeprefix("step_"))
+    resumed = run_train(corpus, first_out, "--max-steps", str(step + 1), "--ckpt-every", "2")
+    assert f"(step {step})" in resumed.stdout
+    assert run_train(corpus, second_out, "--max-steps", "2", "--fresh").returncode == 0  # --fresh sets the link aside
+    assert not (second_out / "ckpt").is_symlink() and (second_out / "previous").is_dir()
+
+
 # ----------------------------------------------------------------------------- a full disk
 
 
@@ -188,3 +228,63 @@ def test_metrics_log_cuts_a_partly_written_line(tmp_path):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.stdout.startswith(f"could not write {path} (File too large)"), result.stderr
     assert path.read_text() == '{"step": 1, "loss": 1.0}\n'
+
+
+def test_a_save_that_fills_the_disk_leaves_no_temporary_directory(corpus, tmp_path):
+    """A checkpoint that does not fit: one line, and the half-written .tmp-step_N/ is removed, not left
+    taking the space the rerun needs."""
+    run_train(corpus, tmp_path, "--max-steps", "2")  # prepares the data too: the limited run writes no shards
+    limit = (tmp_path / "ckpt" / "step_00000002" / "rank00000.safetensors").stat().st_size // 2
+    full = run_train(corpus, tmp_path, "--max-steps", "4", check=False, preexec_fn=file_size_limit(limit))
+    assert last_line(full).startswith(f"error: could not write the checkpoint of step 4 in {tmp_path / 'ckpt'}: "
+                                      "File too large")
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [".owner", "latest", "step_00000002"]
+
+
+def test_a_rerun_on_a_full_disk_first_removes_what_a_failed_save_left(tmp_path, monkeypatch, capsys):
+    """A save killed half way (or cut off by a full disk before this version) left .tmp-step_N/, and the
+    disk is full while it is there: the rerun clears it before it writes anything (.lock first), so it
+    starts instead of failing on .lock with "No space left on device". A stand-in for the file writes
+    of storage.py is the disk: full while a leftover is in ckpt/."""
+    from support import storage
+
+    out = tmp_path / "out"
+    (out / "ckpt" / ".tmp-step_00000006").mkdir(parents=True)
+    (out / "ckpt" / ".tmp-step_00000006" / "rank00000.safetensors").write_bytes(b"half a checkpoint")
+    (out / "ckpt" / ".del-step_00000002").mkdir()  # a cleanup killed half way
+    (out / "run.json").write_text(json.dumps({"run": "mine"}))
+    write = storage.write_chunks
+
+    def disk(path, chunks):
+        if list((out / "ckpt").glob(".tmp-step_*")):
+            raise OSError(28, "No space left on device", str(path))
+        return write(path, chunks)
+    monkeypatch.setattr(storage, "write_chunks", disk)
+    held, run = rundir.claim_on_every_rank(out, False, parallel.Grid())
+    assert run == "mine" and (out / ".lock").read_text() == held.note
+    assert sorted(p.name for p in (out / "ckpt").iterdir()) == [".owner"]
+    held.close()
+
+
+# ----------------------------------------------------------------------------- --out made read-only mid-run
+
+
+def test_an_out_made_read_only_mid_run_is_one_line(tmp_path, monkeypatch):
+    """--out remounted read-only while the run trains: the next line of metrics.jsonl cannot even be opened.
+    One line (a RunDirError, which train.py says and exits 2 on), not a traceback. (Root writes through any
+    permission, so a stand-in for os.open refuses as a read-only file system does.)"""
+    m = rundir.Metrics(tmp_path / "metrics.jsonl", True, 0)
+    m.log(step=1, loss=1.0)
+    opened = os.open
+
+    def read_only(path, flags, *args, **kwargs):
+        if flags & (os.O_WRONLY | os.O_RDWR):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return opened(path, flags, *args, **kwargs)
+    monkeypatch.setattr(os, "open", read_only)
+    with pytest.raises(rundir.RunDirError) as e:
+        m.log(step=2, loss=1.0)
+    monkeypatch.undo()
+    assert str(e.value) == f"could not write {tmp_path / 'metrics.jsonl'} (Read-only file system); fix that, then " \
+                           "rerun the same command: it continues from the last checkpoint"
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "loss": 1.0}\n'

@@ -229,3 +229,36 @@ def test_replayed_steps_lose_their_layer_rows(tmp_path):
     m.truncate(2)  # a rollback (or a resume) to step 2
     kept = [(r.get("event"), r["step"]) for r in m.rows()]
     assert kept == [(None, 1), ("layers", 1), (None, 2), ("layers", 2), ("checkpoint", 4)]
+
+
+# ----------------------------------------------------------------------------- what a statistics step holds
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_statistics_step_adds_a_share_of_the_weights_on_every_data_parallel_rank(rank):
+    """A statistics step holds a copy of the weights it counts across the update (for ||ΔW||). Each rank
+    of dp 2 counts a share of the replicated weights, so its step's peak (every allocation and free, from
+    the profiler) is at most a plain step's plus 4 bytes per parameter / dp, one tensor more and 16 KiB.
+    Before: dp rank 0 counted, and copied, every weight (+4 bytes per parameter on it alone)."""
+    from setup_memory import allocations, peak_apart_from
+    from torch.profiler import ProfilerActivity, profile
+
+    cfg = gpt.config_from_preset("tiny", 257)
+    model = gpt.build(cfg, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    grid = parallel.Grid(dp=2, rank=rank)  # a rank of a data-parallel job, without a process group
+    grid.all_reduce = lambda *args, **kwargs: None  # (the sum over ranks: not what is measured here)
+    layer_stats = stats.LayerStats(model, grid, None, opt, cfg.n_layer, every=2)
+    x = torch.randint(0, 257, (2, 17), generator=torch.Generator().manual_seed(0))
+    stats_step(layer_stats, model, opt, [x], 1)  # the first: AdamW allocates its moments
+
+    def peak(n: int) -> int:
+        opt.zero_grad()
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            stats_step(layer_stats, model, opt, [x], n)
+        return peak_apart_from(allocations(prof, "cpu"), set())
+
+    plain, with_stats = peak(3), peak(4)
+    params = [p.numel() * 4 for p in model.parameters()]
+    bound = plain + sum(params) // 2 + max(params) + 16 * 2**10
+    assert with_stats <= bound, f"rank {rank}: {with_stats:,} bytes at the peak of a statistics step, bound {bound:,}"
