@@ -353,6 +353,15 @@ def wait_all(works: list) -> None:
         peer_call(work.wait, what="ring attention's point-to-point over cp")
 
 
+@functools.cache
+def eager_forward(core: type) -> None:
+    """torch.compiler.disable on a cp core's forward: messages inside autograd Functions do not compile, so
+    under torch.compile the core runs eagerly, between two graphs of its block. Done when the first core is
+    built, not as a decorator: disable imports torch._dynamo, 1.7 s of CPU at the start of every process
+    that imports this file, though only cp runs build a core."""
+    core.forward = torch.compiler.disable(core.forward)
+
+
 class RingAttention(nn.Module):
     """The attention core under --cp-attn ring (model.Attention on one rank). The blocks run on our
     Triton kernel where the backend is `triton`, else on the math version above (CPUs)."""
@@ -360,10 +369,8 @@ class RingAttention(nn.Module):
     def __init__(self, grid: Grid, backend: str):
         super().__init__()
         self.grid, self.backend, self.local = grid, backend, Attention(backend)
+        eager_forward(RingAttention)
 
-    # Messages inside autograd Functions do not compile: under torch.compile this core runs eagerly,
-    # between two graphs of its block (as the Ulysses core does).
-    @torch.compiler.disable
     def forward(self, qkv, n_kv_head=None):  # (B, T/cp, 3, H, D) or (B, T/cp, H + 2 H_kv, D)
         if not self.grid.cp_on:
             return self.local(qkv, n_kv_head)
@@ -403,8 +410,8 @@ class UlyssesAttention(nn.Module):
     def __init__(self, grid: Grid, backend: str):
         super().__init__()
         self.grid, self.backend, self.local = grid, backend, Attention(backend)
+        eager_forward(UlyssesAttention)  # eager between two graphs of a compiled block, as the ring core
 
-    @torch.compiler.disable  # eager between two graphs of a compiled block, as the ring core
     def forward(self, qkv, n_kv_head=None):  # (B, T/cp, 3, H, D) or (B, T/cp, H + 2 H_kv, D)
         if not self.grid.cp_on:
             return self.local(qkv, n_kv_head)

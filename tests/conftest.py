@@ -166,20 +166,23 @@ def assert_same_weights(got: dict, ref: dict) -> None:
 
 
 
-def processes_started(lesson: Path) -> int:
-    """How many Python processes a lesson's ```bash blocks start: each torchrun its --nproc-per-node, each
-    other `python`, one. A lesson's runtime is mostly their start-up and their steps."""
+def processes_started(lesson: Path, only: tuple[int, ...] = ()) -> int:
+    """How many Python processes a lesson's ```bash blocks start (all, or the numbers in `only`): each torchrun
+    its --nproc-per-node, each other `python`, one. A lesson's runtime is mostly their start-up and their steps."""
     blocks = re.findall(r"^```bash\n(.*?)^```", lesson.read_text(), re.S | re.M)
+    blocks = [b for n, b in enumerate(blocks, 1) if not only or n in only]
     runs = re.findall(r"torchrun[^\n]*?--nproc-per-node (\d+)|\bpython3? ", "\n".join(blocks))
     return sum(int(n) if n else 1 for n in runs)
 
 
 def pytest_collection_modifyitems(items):
-    """The lessons first, the heaviest first, then everything else in its own order. Under `-n 2` each
-    worker takes the next test as it finishes one: a two-minute lesson started last would leave the other
-    worker idle for its length; short tests behind the long ones fill the gaps."""
+    """The lessons first (and the tests that run their blocks), the heaviest first, then everything else in
+    its own order. Under `-n 2` each worker takes the next test as it finishes one: a two-minute lesson
+    started last would leave the other worker idle for its length; short tests behind the long ones fill
+    the gaps."""
     def weight(item) -> int:
-        if "test_lesson_prints_what_it_shows" not in item.nodeid:
+        params = item.callspec.params if hasattr(item, "callspec") else {}
+        if item.path.name != "test_lessons.py" or "doc" not in params:
             return 0
-        return 1 + processes_started(Path(item.callspec.params["doc"]))
+        return 1 + processes_started(Path(params["doc"]), params.get("only", ()))
     items.sort(key=weight, reverse=True)  # stable: the rest keep their order

@@ -9,11 +9,14 @@ in test_parallel.py (equivalence with one process) and test_resilience.py (check
 import math
 import os
 import socket
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import ROOT
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import context
@@ -243,3 +246,14 @@ def test_block_math_is_fp32_under_autocast(causal):
     assert all(torch.equal(a, b) and a.dtype == torch.float32 for a, b in zip(autocast, plain))
     plain_grads = context.block_attention_backward(q, k, v, plain[0], plain[1], dout, causal, kernel=False)
     assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads))
+
+
+def test_only_a_process_that_builds_a_cp_core_imports_torch_dynamo():
+    """torch.compiler.disable imports torch._dynamo, 1.7 s of CPU: the cores apply it to their forward when the
+    first one is built, so a process that only parses flags, samples or reads checkpoints does not pay it."""
+    code = "import sys, train, sample; from instruments import checkpoints; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+    for core in CORES.values():  # and a built core still runs eagerly under torch.compile
+        core(parallel.Grid(), "math")
+        assert core.forward._torchdynamo_disable
