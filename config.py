@@ -240,6 +240,21 @@ def asking_for_instruments(cfg: TrainConfig) -> list[str]:
     return asked + ([f"--stats-every {cfg.stats_every}"] if cfg.stats_every not in (0, STATS_EVERY) else [])
 
 
+def has_instruments(cfg: TrainConfig) -> bool:
+    """Is instruments/ here? A fork may delete it: then a default run says so in one line and trains
+    without them, and a flag that needs one (or --stats-every other than 0 and its default) is a
+    ConfigError before any work."""
+    if os.path.exists(os.path.join(os.path.dirname(os.path.abspath(__file__)), "instruments", "observers.py")):
+        return True
+    if asked := asking_for_instruments(cfg):
+        raise ConfigError(f"{', '.join(asked)} need{'s' if len(asked) == 1 else ''} the instruments, and this "
+                          "copy has no instruments/ folder; leave the flag out, or restore the folder")
+    if int(os.environ.get("RANK", "0")) == 0:
+        print("instruments/ is not here: training without the dashboard, MFU, per-layer statistics and the "
+              "checkpoint summary", flush=True)
+    return False
+
+
 # ----------------------------------------------------------------------------- defaults by device
 
 

@@ -310,7 +310,7 @@ class Grid:
         self.traffic.add(name, self.label(group), nbytes)
         if self.crash_at and interrupt.crash_due(self.crash_at, self.rank, f"stall:{group}"):
             interrupt.stall()  # (fault injection: this rank never joins the call)
-        start = lambda: peer_call(call, *args, group=self.groups.get(group), what=self.describe(name, group), **kwargs)
+        start = lambda: peer_call(call, *args, group=self.groups[group], what=self.describe(name, group), **kwargs)
         return self.observer.collective(name, self.label(group), self.members[group], nbytes, start)
 
     def all_reduce(self, t: torch.Tensor, group: str, op=dist.ReduceOp.SUM, async_op: bool = False):
@@ -363,7 +363,7 @@ class Grid:
         the list of pending works and must wait on each before touching the tensors. Each message sent
         is counted ("send"); the observer sees the batch as one "p2p" among its peers."""
         sends = [(t.contiguous(), *rest) for t, *rest in sends]
-        pg = self.groups.get(group)  # the group's own communicator (on NCCL, its own stream): rings and
+        pg = self.groups[group]  # the group's own communicator (on NCCL, its own stream): rings and
         ops = [dist.P2POp(dist.isend, t, peer, group=pg, tag=tag[0] if tag else 0)  # pipelines overlap
                for t, peer, *tag in sends]
         ops += [dist.P2POp(dist.irecv, t, peer, group=pg, tag=tag[0] if tag else 0) for t, peer, *tag in recvs]
@@ -536,11 +536,11 @@ def communicators(layouts: dict[str, torch.Tensor]) -> list[tuple[str, tuple, tu
     key are one communicator (new_group makes a new one at every call: on NCCL, GPU memory and a
     stream each): the key is the ranks, so that dp_cp, zs and node are one where they hold the same
     ranks, as are pp and embed at pp 2. None: no communicator of its own (the world's group, one
-    rank's, and dp's, which never talks: gradients meet over dp_cp, the same ranks without cp)."""
+    rank's). dp without cp holds dp_cp's ranks, so it is dp_cp's communicator."""
     world, out = layouts["world"].size(1), []
     for name, rows in layouts.items():
         for ranks in map(tuple, rows.tolist()):
-            own = 1 < len(ranks) < world and name != "dp"
+            own = 1 < len(ranks) < world
             key = (ranks, name if name in OWN_COMMUNICATOR else "") if own else None
             out.append((name, ranks, key))
     return out

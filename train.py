@@ -555,36 +555,18 @@ def roll_back(run: Run, row: dict, bar) -> None:
                   f"and will skip batch {row['batch']}")
 
 
-def instruments_for(cfg: config.TrainConfig):
-    """instruments.observers, or None when instruments/ has been deleted: then a default run says so in one
-    line and trains without them, and a flag that needs one (or --stats-every other than 0 and its default)
-    is a ConfigError before any work."""
-    try:
-        from instruments import observers
-        return observers
-    except ModuleNotFoundError as e:
-        if e.name not in ("instruments", "instruments.observers"):
-            raise
-    if asked := config.asking_for_instruments(cfg):
-        raise config.ConfigError(f"{', '.join(asked)} need{'s' if len(asked) == 1 else ''} the instruments, and this "
-                                 "copy has no instruments/ folder; leave the flag out, or restore the folder")
-    if int(os.environ.get("RANK", "0")) == 0:
-        print("instruments/ is not here: training without the dashboard, MFU, per-layer statistics and the "
-              "checkpoint summary", flush=True)
-    return None
-
-
 def main(argv=None) -> None:
     cfg = config.parse_args(argv)
     stop = interrupt.Stop()  # SIGINT, SIGTERM: at once during set-up; between two steps once training
     try:
-        observers = instruments_for(cfg)
-        if cfg.init_from:  # (instruments_for refused it where there are no instruments)
+        instruments = config.has_instruments(cfg)
+        if cfg.init_from:  # (refused above where there are no instruments)
             from instruments import hf
             run = setup(cfg, *hf.start(cfg.init_from))
         else:
             run = setup(cfg)
-        if observers:
+        if instruments:
+            from instruments import observers
             run.grid.observer = observers.attach(run)
         last = train(run, stop)
         if run.grid.is_logger:

@@ -145,7 +145,7 @@ def test_hybrid_zero_and_zero_plus_plus_changes_are_said_on_resume():
     """--zero-shard 2 resumed at 4, and a ZeRO++ run (--hpz --qwz --qgz 8) resumed as plain --zero 3, said
     nothing (the flag lists left them out), though qwZ and qgZ's quantization changes the math."""
     assert resume_lines({"zero": 1, "zero_shard": 2}, zero=1, zero_shard=4) == [
-        "resume: --zero-shard 2 -> 4: a layout change: the same math; random streams (dropout) start afresh"]
+        "resume: --zero-shard 2 -> 4: a layout change: the same math, dropout's masks included"]
     lines = resume_lines({"zero": 3, "hpz": True, "qwz": True, "qgz": 8}, zero=3)
     assert [line.split(":")[1] for line in lines] == [" --hpz True -> False", " --qwz True -> False", " --qgz 8 -> 0"]
     assert "a layout change: the same math" in lines[0]

@@ -298,7 +298,7 @@ class StepOnly:
         self.model, self.precision, self.device = model, stability.PRECISIONS[precision], torch.device("cpu")
         self.cfg = config.TrainConfig(micro_batch_size=micro_batch_size)
         self.scaler, self.pipe, self.sync, self.gather = stability.LossScaler(False), None, None, None
-        self.grid = parallel.Grid()
+        self.grid, self.step = parallel.Grid(), 0
 
     @property
     def autocast(self):
