@@ -6,8 +6,9 @@ and the indexing, not speed or races; tests/test_kernels_aot.py proves the kerne
 real GPUs, tests/test_gpu.py runs them on one. Sizes stay tiny (T <= 128): the interpreter is slow.
 
 Also here: the custom ops pass torch.library.opcheck (their fake implementations agree with the real
-ones), torch.compile of a block that calls the kernel matches eager, and `triton_problem` says in one
-line why the kernel cannot run where it cannot.
+ones), torch.compile of a block that calls the kernel matches eager, a block on SDPA stays one graph when
+its sequence length is symbolic, and `triton_problem` says in one line why the kernel cannot run where it
+cannot.
 
 Grouped-query attention (the last section): 8 query heads over 1, 2, 4 and 8 kv heads, against K and V
 repeated in float64; the packed (B, T, H + 2 H_kv, D) op against the unpacked one; and the bytes the
@@ -331,6 +332,29 @@ def test_torch_compile_matches_eager():
     _, (q, k, v) = qkv_view(1, 9, 2, 16, torch.float32)
     auto = torch.compile(lambda q, k, v: attention(q, k, v, "auto"), backend="eager", fullgraph=True)
     assert torch.equal(auto(q, k, v), kernels.attention_sdpa(q, k, v))
+
+
+def test_sdpa_traces_whole_when_the_sequence_length_is_symbolic():
+    """A compiled block that meets a second sequence length is compiled again with the length symbolic
+    (Dynamo's automatic dynamic shapes; the torch.compile lesson): SDPA's `is_causal` must then still be a
+    bool. `Tq == Tk` of two symbolic sizes is a SymBool, which SDPA refused at trace time: the block fell
+    into 5 graphs around the attention, at every length after the first."""
+    from model import Block, GPTConfig
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+    torch._dynamo.reset()
+    block = Block(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=64, attn="sdpa"))
+    block.compile(backend=backend, fullgraph=True)  # fullgraph: a graph break is an error
+    for T in (16, 32, 48):
+        x = torch.randn(2, T, 32)
+        with torch.compiler.set_stance("force_eager"):
+            eager = block(x)
+        torch.testing.assert_close(block(x), eager)
+    assert len(graphs) == 2  # one graph at T = 16, one symbolic in T for every other length
 
 
 def test_model_trained_with_triton_matches_math():
