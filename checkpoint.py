@@ -69,6 +69,7 @@ import torch
 
 import fp8
 from model import canonical_name
+from parallel import placement
 from shard import take_shard, unshard
 from support import storage
 from support.storage import CheckpointError, CorruptCheckpoint  # (raised there; checkpoint.* here)
@@ -87,7 +88,7 @@ def entry(t: torch.Tensor, name: str, p: torch.Tensor, flat: tuple[int, int] | N
     """(tensor, description): `name` is the logical tensor, `shard` the tensor-parallel slice of the
     full tensor that p holds, `flat` a [start, stop) range of that slice's flattened elements
     (ZeRO-1 splits flat buffers, not dimensions)."""
-    return t.detach(), {"name": name, "shard": getattr(p, "shard", None),
+    return t.detach(), {"name": name, "shard": placement(p).shard,
                         "flat": list(flat) if flat else None, "local_shape": list(p.shape)}
 
 
@@ -230,11 +231,11 @@ class Reader:
         return local[0] if spec is None else unshard(local, spec)
 
     def local(self, name: str, p: torch.Tensor, span: tuple | None = None) -> torch.Tensor:
-        """The slice of tensor `name` that parameter p holds on this rank (p.shard says which),
+        """The slice of tensor `name` that parameter p holds on this rank (placement(p).shard says which),
         or elements [a, z) of it flattened (`span`: a ZeRO shard's piece of p). When the checkpoint
         holds that very slice (the same tensor-parallel cut), only the stored pieces that overlap
         it are read (a view of a mapped file where one piece covers it); at another --tp, all."""
-        spec = json.loads(json.dumps(getattr(p, "shard", None)))  # as the manifest spells it
+        spec = json.loads(json.dumps(placement(p).shard))  # as the manifest spells it
         parts = [e for e in self.entries.get(name, ()) if e["shard"] == spec]
         if not parts:  # another tensor-parallel cut (or none stored): all of it, then p's part
             part = cut(self.full(name), p)
@@ -398,14 +399,14 @@ def consolidate(source: "Path | Reader") -> dict[str, torch.Tensor]:
 
 def local_part(full: torch.Tensor, p: torch.Tensor, dtype: torch.dtype | None = None,
                device: str | torch.device | None = None) -> torch.Tensor:
-    """The slice of `full` that parameter p holds on this rank (p.shard says which), on p's device
+    """The slice of `full` that parameter p holds on this rank (placement(p).shard), on p's device
     unless another is given."""
     return cut(full, p).to(device=device or p.device, dtype=dtype or p.dtype)
 
 
 def cut(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """take_shard(full, p.shard), checked to have p's shape."""
-    part = take_shard(full, getattr(p, "shard", None))
+    """take_shard(full, placement(p).shard), checked to have p's shape."""
+    part = take_shard(full, placement(p).shard)
     if part.shape != p.shape:
         raise CorruptCheckpoint(f"checkpoint tensor of shape {tuple(part.shape)} does not fit a parameter "
                                 f"of shape {tuple(p.shape)}")

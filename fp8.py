@@ -103,6 +103,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import fp8_cast
+from parallel import placement
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 MANTISSA_BITS = {E4M3: 3, E5M2: 2}
@@ -447,7 +448,7 @@ def enable(model: torch.nn.Module, grid, recipe: str = "current", history: int =
     for name, m in model.named_modules():
         if not name.startswith("transformer.h.") or not hasattr(type(m), "fp8"):
             continue
-        spec = getattr(m.weight, "shard", None)
+        spec = placement(m.weight).shard
         split = spec["dim"] if spec and spec["count"] > 1 else None
         groups = {"x": ["tp"] if split == 1 else [], "w": ["tp"] if split is not None else [],
                   "g": ["tp"] if split == 0 else []}

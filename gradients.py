@@ -25,11 +25,11 @@ last micro-batch without being held whole, so each micro-batch's backward reduce
 the cp ranks of a data-parallel rank hold replicas too, each with the gradient of its slice of the
 tokens, so the buckets are averaged (and ZeRO shards them) over the `dp_cp` group of dp x cp ranks.
 
-Expert parallelism (moe.py): the weights of experts (tagged `expert`) are not replicas over the data-parallel
-ranks, only over the dp / ep that hold the same experts. They get buckets of their own, summed over that
-`edp` group (under ZeRO, reduce-scattered and sharded over it), and divided by dp like every other bucket:
-each rank's expert gradient already holds the losses of its whole ep group (their tokens came to it), so
-the sum over edp covers every rank's loss once.
+Expert parallelism (moe.py): the weights of experts (their placement's replicas: "edp") are not replicas
+over the data-parallel ranks, only over the dp / ep that hold the same experts. They get buckets of their
+own, summed over that `edp` group (under ZeRO, reduce-scattered and sharded over it), and divided by dp
+like every other bucket: each rank's expert gradient already holds the losses of its whole ep group
+(their tokens came to it), so the sum over edp covers every rank's loss once.
 
 Hybrid ZeRO (`--zero-shard N`, zero.py): buckets are sharded over the N ranks of the `zs` group
 instead, and once reduced there, each shard is all-reduced over the `zr` group (the same shard in
@@ -52,7 +52,7 @@ from collections import deque
 
 import torch
 
-from parallel import Grid
+from parallel import Grid, placement
 from support.interrupt import peer_call
 
 IN_FLIGHT = 2  # ZeRO-2/3, hybrid ZeRO-1: reduce-scatters still in flight before the backward waits
@@ -124,7 +124,8 @@ class GradSync:
         groups = units[::-1] if units is not None else self._by_size(model, bucket_mb)
         self.buckets = []
         for params in groups:
-            group = "edp" if getattr(params[0], "expert", False) else "zs" if grid.zs < grid.dp_cp else "dp_cp"
+            group = placement(params[0]).replicas  # dp_cp, or edp (experts)
+            group = "zs" if group == "dp_cp" and grid.zs < grid.dp_cp else group
             rank = {"edp": grid.edp_rank, "zs": grid.zs_rank, "dp_cp": grid.dp_cp_rank}[group]
             self.buckets.append(Bucket(params, grid.size(group) if zero else 1, grid.device, persistent=zero < 2,
                                        group=group, rank=rank, block=block if zero else 1))
@@ -148,10 +149,11 @@ class GradSync:
         params = [p for p in model.parameters() if p.requires_grad][::-1]
         # The pipeline's two copies of the tied embedding get a bucket each, alone, so that under
         # ZeRO both copies are cut at the same element offsets and their shards can be summed.
-        tied = [p for p in params if getattr(p, "tied_copy", False) or getattr(p, "tied_embedding", False)]
+        tied = [p for p in params if placement(p).tied]
         rest = [p for p in params if not any(p is t for t in tied)]
-        experts = [p for p in rest if getattr(p, "expert", False)]  # summed over another group: apart
-        return [[p] for p in tied] + GradSync._fill([p for p in rest if not getattr(p, "expert", False)], bucket_mb) \
+        experts = [p for p in rest if placement(p).replicas == "edp"]  # summed over edp: apart
+        others = [p for p in rest if placement(p).replicas != "edp"]
+        return [[p] for p in tied] + GradSync._fill(others, bucket_mb) \
             + GradSync._fill(experts, bucket_mb)
 
     @staticmethod
@@ -282,8 +284,9 @@ def sequence_parallel_grads(model: torch.nn.Module, sync: GradSync | None) -> li
     """The gradients sequence parallelism leaves partial (each tp rank saw only its slice of the
     sequence): LayerNorm gains and biases, row-parallel biases; under ZeRO, this rank's pieces."""
     if sync is not None and sync.zero:
-        return [g for p, _, _, g in sync.shard_pieces() if getattr(p, "sequence_parallel", False)]
-    return [p.grad for p in model.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
+        return [g for p, _, _, g in sync.shard_pieces() if placement(p).sequence_parallel]
+    return [p.grad for p in model.parameters()
+            if placement(p).sequence_parallel and p.grad is not None]
 
 
 def tied_grad(model: torch.nn.Module, grid: Grid, sync: GradSync | None) -> torch.Tensor:
@@ -322,9 +325,9 @@ def grad_norm(model: torch.nn.Module, grid: Grid, sync: GradSync | None = None) 
                 if p.grad is not None and grid.owns(p, replicated_over_dp=False)]
     if grid.ep > 1 and not zero:  # each rank of an ep group holds other experts: their squares summed over it
         # (ZeRO: a rank holds a shard of its ep rank's experts; the sum over dp below meets every shard once)
-        experts = squares([g for p, g in mine if getattr(p, "expert", False)], grid.device)
+        experts = squares([g for p, g in mine if "ep" in placement(p).split], grid.device)
         grid.all_reduce(experts, "ep")
-        sq = squares([g for p, g in mine if not getattr(p, "expert", False)], grid.device) + experts
+        sq = squares([g for p, g in mine if "ep" not in placement(p).split], grid.device) + experts
     else:
         sq = squares([g for _, g in mine], grid.device)
     for group in ("tp", "pp") + (("dp_cp",) if zero else ()):

@@ -538,7 +538,7 @@ def materialize(model: GPT, seed: int, device: torch.device | str = "cpu", shard
                 else:
                     value = placeholder(param.shape, torch.float32, device)
                 done[id(param)] = nn.Parameter(value, requires_grad=param.requires_grad)
-                done[id(param)].__dict__.update(param.__dict__)  # keep tags such as shard.py's `shard`
+                done[id(param)].__dict__.update(param.__dict__)  # its placement (parallel.place)
             setattr(module, pname, done[id(param)])
         for bname, buf in module.named_buffers(recurse=False):  # dropout's site, made whole
             setattr(module, bname, buf.to(device))

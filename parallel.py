@@ -60,7 +60,7 @@ import os
 import pickle
 import weakref
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
 import torch
@@ -94,6 +94,31 @@ class Traffic:
 
     def reset(self) -> None:
         self.counts.clear()
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a parameter's values live across the grid: one record, read by `owns`, the gradient
+    buckets and norms, the checkpoints (a plain parameter: the default, whole and replicated)."""
+    shard: dict | None = None  # its tensor-parallel (or expert-parallel) slice: shard.shard_spec
+    replicas: str = "dp_cp"  # the group of copies whose gradients are summed ("edp": experts)
+    split: tuple[str, ...] = ()  # groups that split it beyond tp ("ep"): norms sum over them
+    sequence_parallel: bool = False  # its gradient is partial over tp (sp's norms and biases)
+    tied: bool = False  # one of the pipeline's two copies of the tied embedding: a bucket alone
+    tied_copy: bool = False  # the last pipeline stage's copy of it, which never counts
+
+
+PLAIN = Placement()
+
+
+def placement(p: torch.Tensor) -> Placement:
+    """p's record, or a plain parameter's."""
+    return p.__dict__.get("placement", PLAIN)
+
+
+def place(p: torch.Tensor, **changes) -> None:
+    """Set fields of p's record (the only writer; model.materialize carries it over)."""
+    p.placement = replace(placement(p), **changes)
 
 
 @dataclass
@@ -237,17 +262,17 @@ class Grid:
         and one counts toward the gradient norm: a tensor that tensor parallelism replicates on tp
         rank 0, one that data (and context) parallelism replicates on dp_cp rank 0 (unless ZeRO split
         it over them: `replicated_over_dp=False`), and the pipeline's copy of the tied embedding never.
-        Counting a replica twice is the classic clipping bug of model parallelism. An expert's weights
-        (`expert`) are split over the ep ranks, and copied on the dp / ep groups of them, the cp and the tp
-        ranks: tp and cp rank 0's of the first group count."""
-        if getattr(p, "tied_copy", False):
+        Counting a replica twice is the classic clipping bug of model parallelism. An expert's
+        weights (replicas "edp") are split over the ep ranks, and copied on the dp / ep groups of
+        them, the cp and the tp ranks: tp and cp rank 0's of the first group count."""
+        where = placement(p)
+        if where.tied_copy:
             return False
-        if getattr(p, "expert", False):  # split over ep; copies over tp, cp and the dp / ep groups
-            return (self.dp_rank < self.ep and self.cp_rank == 0 or not replicated_over_dp) and self.tp_rank == 0
-        sharded_tp = getattr(p, "shard", None) is not None
+        if where.replicas == "edp":  # split over ep; copies over tp, cp and the dp / ep groups
+            return (self.edp_rank == 0 or not replicated_over_dp) and self.tp_rank == 0
         # (hybrid ZeRO: the shards of the first shard group; the other groups hold replicas of them)
-        counted = self.dp_cp_rank == 0 or not replicated_over_dp and self.zr_rank == 0
-        return counted and (sharded_tp or self.tp_rank == 0)
+        counted = self.dp_cp_rank == 0 or (not replicated_over_dp and self.zr_rank == 0)
+        return counted and (where.shard is not None or self.tp_rank == 0)
 
     @contextlib.contextmanager
     def whole_sequence(self):

@@ -8,11 +8,12 @@ and the other axes, then materialized slice by slice.
                                     (ZeRO-3: shapes only; zero.ZeroAdamW draws and keeps its shard)
 
 `build_model` is the only way a rank gets a model, so every layout starts from the same weights
-(DESIGN.md, principles 1 and 2). Every tensor that is split records how (`shard`: split dim `dim`
-into `count` parts, within `groups` blocks, keep `index`); `take_shard` cuts that slice out of a full
-tensor and `unshard` puts the slices back, which is how checkpoints and Hugging Face weights cross
-layouts. `check_layout` refuses what cannot be split, before anything is built. The grid the layers talk
-through, and its collectives, are parallel.py's.
+(DESIGN.md, principles 1 and 2). Every tensor that is split records how, in its placement
+(parallel.Placement's `shard`: split dim `dim` into `count` parts, within `groups` blocks, keep
+`index`); `take_shard` cuts that slice out of a full tensor and `unshard` puts the slices back,
+which is how checkpoints and Hugging Face weights cross layouts. `check_layout` refuses what cannot
+be split, before anything is built. The grid the layers talk through, and its collectives, are
+parallel.py's.
 """
 
 import math
@@ -25,7 +26,7 @@ import model as gpt
 import moe
 from dropout import Dropout
 from lmhead import lm_head_loss
-from parallel import GRIDS, Grid, LayoutError
+from parallel import GRIDS, Grid, LayoutError, place, placement
 
 # ----------------------------------------------------------------------------- tensor parallel
 #
@@ -158,17 +159,19 @@ class SplitSeq(torch.nn.Module):
         return split_to_sp(x, self.grid) if self.grid.sp_on else x
 
 
-def shard_spec(grid: Grid, dim: int, groups: int | list[int] = 1) -> dict:
+def shard_spec(grid: Grid, dim: int, groups: int | list[int] = 1, over: str = "tp") -> dict:
     """Which slice of the full tensor this rank holds: split `dim` into `groups` blocks (q, k, v
     for the fused projection; a list gives their sizes, unequal under GQA) and keep part `index` of
-    `count` from each."""
-    return {"dim": dim, "index": grid.tp_rank, "count": grid.tp, "groups": groups}
+    `count` from each, one part per rank of the group `over` (tp; experts: ep)."""
+    index, count = (grid.ep_rank, grid.ep) if over == "ep" else (grid.tp_rank, grid.tp)
+    return {"dim": dim, "index": index, "count": count, "groups": groups}
 
 
-def meta_param(*shape, spec: dict | None = None, **attrs) -> torch.nn.Parameter:
+def meta_param(*shape, **where) -> torch.nn.Parameter:
+    """A parameter of this shape on meta (no memory), placed as `where` says (parallel.place)."""
     p = torch.nn.Parameter(torch.empty(*shape, device="meta"))
-    p.shard = spec
-    p.__dict__.update(attrs)
+    if where:
+        place(p, **where)
     return p
 
 
@@ -183,8 +186,8 @@ class ColumnParallelLinear(torch.nn.Module):
         super().__init__()
         self.grid = grid
         spec = shard_spec(grid, 0, groups)
-        self.weight = meta_param(out_features // grid.tp, in_features, spec=spec)
-        self.bias = meta_param(out_features // grid.tp, spec=spec) if bias else None
+        self.weight = meta_param(out_features // grid.tp, in_features, shard=spec)
+        self.bias = meta_param(out_features // grid.tp, shard=spec) if bias else None
 
     def forward(self, x):
         x = gather_from_sp(x, self.grid) if self.grid.sp_on else copy_to_tp(x, self.grid)
@@ -199,7 +202,7 @@ class RowParallelLinear(torch.nn.Module):
     def __init__(self, in_features: int, out_features: int, grid: Grid, bias: bool = True):
         super().__init__()
         self.grid = grid
-        self.weight = meta_param(out_features, in_features // grid.tp, spec=shard_spec(grid, 1))
+        self.weight = meta_param(out_features, in_features // grid.tp, shard=shard_spec(grid, 1))
         self.bias = meta_param(out_features, sequence_parallel=grid.sp) if bias else None
 
     def forward(self, x):
@@ -215,7 +218,7 @@ class VocabParallelEmbedding(torch.nn.Module):
     def __init__(self, vocab: int, dim: int, grid: Grid):
         super().__init__()
         self.grid = grid
-        self.weight = meta_param(vocab // grid.tp, dim, spec=shard_spec(grid, 0))
+        self.weight = meta_param(vocab // grid.tp, dim, shard=shard_spec(grid, 0))
 
     @property
     def vocab_start(self) -> int:
@@ -289,7 +292,7 @@ def apply_tensor_parallel(model: gpt.GPT, grid: Grid) -> None:
     if grid.sp:  # LayerNorms now see only their slice of the sequence: their gradients are partial sums
         for name, p in model.named_parameters():
             if ".ln_" in name or "ln_f" in name:
-                p.sequence_parallel = True
+                place(p, sequence_parallel=True)
     model.loss = VocabParallelLoss(grid, model.transformer.wte.vocab_start)
     model.gather_vocab = GatherVocab(grid)
 
@@ -328,14 +331,16 @@ def check_layout(cfg: gpt.GPTConfig, grid: Grid, seq_len: int) -> None:
 
 
 def apply_expert_parallel(model: gpt.GPT, grid: Grid) -> None:
-    """Each MoE layer keeps E / ep of its experts, this rank's run of them along the experts' dim 0 (tagged
-    `expert`: their gradients meet over `edp`, gradients.py), and sends tokens to the others (moe.py)."""
+    """Each MoE layer keeps E / ep of its experts, this rank's run of them along the experts' dim 0
+    (their copies are the `edp` group, over which their gradients meet: gradients.py), and sends
+    tokens to the others (moe.py)."""
     for layer in model.modules():
         if isinstance(layer, moe.MoE):
             for stacked in (layer.experts.c_fc, layer.experts.c_proj):
                 for name, p in list(stacked.named_parameters(recurse=False)):
-                    spec = {"dim": 0, "index": grid.ep_rank, "count": grid.ep, "groups": 1}
-                    setattr(stacked, name, meta_param(p.size(0) // grid.ep, *p.shape[1:], spec=spec, expert=True))
+                    part = meta_param(p.size(0) // grid.ep, *p.shape[1:], replicas="edp",
+                                      split=("ep",), shard=shard_spec(grid, 0, over="ep"))
+                    setattr(stacked, name, part)
             layer.exchange = moe.ExpertParallel(grid)
 
 
@@ -364,7 +369,7 @@ def keep_stage(model: gpt.GPT, grid: Grid) -> None:
     model.transformer.h = torch.nn.ModuleDict({str(i): h[i] for i in held})
     first, last, tied = grid.first_stage, grid.last_stage, model.config.tied
     if first and not last and tied:
-        model.transformer.wte.weight.tied_embedding = True  # its twin is the last stage's lm_head
+        place(model.transformer.wte.weight, tied=True)  # its twin is the last stage's lm_head
     if not first:
         del model.transformer["wte"]
         if "wpe" in model.transformer:  # GPT-2's position table (Llama has none)
@@ -374,8 +379,8 @@ def keep_stage(model: gpt.GPT, grid: Grid) -> None:
         model.lm_head = None
     elif not first and tied:  # the last stage keeps its own copy of the tied embedding, synced by grad all-reduce
         w = model.lm_head.weight
-        model.lm_head.weight = meta_param(*w.shape, spec=w.shard if hasattr(w, "shard") else None,
-                                          tied_copy=True)
+        w = meta_param(*w.shape, shard=placement(w).shard, tied=True, tied_copy=True)
+        model.lm_head.weight = w
 
 
 def build_model(cfg: gpt.GPTConfig, grid: Grid, seed: int, device: torch.device, seq_len: int,
@@ -401,7 +406,7 @@ def build_model(cfg: gpt.GPTConfig, grid: Grid, seed: int, device: torch.device,
         for m in model.modules():
             if isinstance(m, Dropout):
                 m.positions = context.ActivationPositions(grid)
-    specs = {name: getattr(p, "shard", None) for name, p in model.named_parameters(remove_duplicate=False)}
+    specs = {name: placement(p).shard for name, p in model.named_parameters(remove_duplicate=False)}
     return gpt.materialize(model, seed, device, shard_fn=lambda name, full: take_shard(full, specs[name]),
                            values=values)
 
@@ -414,7 +419,7 @@ def initial_values(model: torch.nn.Module, seed: int):
     def value(p: torch.nn.Parameter) -> torch.Tensor:
         name = names[id(p)]
         full = gpt.init_value(name, shapes[name], seed, model.config.n_layer, model.config.tied)
-        return take_shard(full, getattr(p, "shard", None))
+        return take_shard(full, placement(p).shard)
     return value
 
 

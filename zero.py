@@ -55,6 +55,7 @@ import torch
 
 from gradients import Bucket, GradSync
 from model import in_backward, placeholder
+from parallel import placement
 from support.interrupt import peer_call
 
 
@@ -190,8 +191,9 @@ def units(model: torch.nn.Module) -> list[list[torch.nn.Parameter]]:
     out = [root]
     for block in t.h:
         params = list(block.parameters())
-        experts = [p for p in params if getattr(p, "expert", False)]
-        out += [[p for p in params if not getattr(p, "expert", False)]] + ([experts] if experts else [])
+        experts = [p for p in params if placement(p).replicas == "edp"]
+        rest = [p for p in params if placement(p).replicas != "edp"]
+        out += [rest] + ([experts] if experts else [])
     return out
 
 

@@ -23,7 +23,7 @@ import gradients
 import model as gpt
 import moe
 from gradients import GradSync
-from parallel import Grid
+from parallel import Grid, placement
 from shard import rank_layers
 from zero import ParamGather, ZeroAdamW
 
@@ -64,7 +64,7 @@ def expected_traffic(cfg: gpt.GPTConfig, grid: Grid, micro_batch: int, n_micro: 
             e[k] += n_micro * v
         if sp:  # LayerNorm and row-parallel bias gradients (under ZeRO, this rank's pieces), once per step
             partial = (g.numel() for g in gradients.sequence_parallel_grads(model, sync)) if sync and sync.zero \
-                else (p.numel() for p in model.parameters() if getattr(p, "sequence_parallel", False))
+                else (p.numel() for p in model.parameters() if placement(p).sequence_parallel)
             e[("all_reduce", "tp")] += 4 * sum(partial)
     if grid.pp > 1:
         act = btc // grid.tp if sp else btc

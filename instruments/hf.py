@@ -50,6 +50,7 @@ import torch
 import checkpoint
 from instruments import checkpoints
 from model import canonical_name, ffn_hidden_rule
+from parallel import placement
 from shard import take_shard
 from support.storage import CheckpointError, read_safetensors, replace_atomically, write_safetensors
 
@@ -108,7 +109,7 @@ def initial_values(model: torch.nn.Module, directory: Path):
                 raise CheckpointError(f"{directory}: {name} has shape {tuple(w.shape)}, but config.json's vocabulary "
                                       f"is {cfg.vocab_size} tokens: one row each")
             w = torch.cat([w, w.new_zeros(cfg.padded_vocab - w.shape[0], w.shape[1])])
-        part = take_shard(w, getattr(p, "shard", None))  # this rank's slice under tensor parallelism
+        part = take_shard(w, placement(p).shard)  # this rank's slice under tensor parallelism
         if part.shape != p.shape:
             raise CheckpointError(f"{directory}: {name} has shape {tuple(weights[name].shape)}, which does not fit "
                                   "this model")

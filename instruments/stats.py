@@ -64,7 +64,7 @@ import fp8
 import moe
 from gradients import GradSync
 from model import in_backward
-from parallel import Grid
+from parallel import Grid, placement
 from support.observer import Observer
 from zero import ZeroAdamW
 
@@ -176,12 +176,13 @@ class LayerStats(Observer):
             pieces = [(p, p.grad, p.detach()) for p in self.model.parameters() if p.grad is not None]
             replicas, place = g.dp_cp, g.dp_cp_rank
         spread = [(p, grad, w) for p, grad, w in pieces  # a replica's count, spread over its replicas
-                  if not getattr(p, "expert", False) and not getattr(p, "tied_copy", False)
-                  and (getattr(p, "shard", None) is not None or g.tp_rank == 0)]
+                  if placement(p).replicas != "edp" and not placement(p).tied_copy
+                  and (placement(p).shard is not None or g.tp_rank == 0)]
         here = share([w.numel() for _, _, w in spread], replicas)
         counted = {id(w) for (_, _, w), j in zip(spread, here) if j == place}
         for p, grad, w in pieces:
-            if id(w) in counted or getattr(p, "expert", False) and g.owns(p, replicated_over_dp=not self.zero):
+            if id(w) in counted or (placement(p).replicas == "edp"
+                                    and g.owns(p, replicated_over_dp=not self.zero)):
                 yield self.index[id(p)], grad, w
 
     def after_grads(self) -> None:

@@ -39,7 +39,7 @@ import model as gpt  # noqa: E402
 import pipeline  # noqa: E402
 import shard  # noqa: E402
 import zero  # noqa: E402
-from parallel import Grid, all_gather_single  # noqa: E402
+from parallel import Grid, all_gather_single, place, placement  # noqa: E402
 
 CFG = gpt.GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=256)
 SEED, B, T, C = 1234, 2, 16, 32
@@ -141,11 +141,11 @@ def ours_mlp(dense: MLP, grid: Grid, swap: bool = False) -> MLP:
     full = dict(dense.named_parameters())
     for module_name, module in mlp.named_children():
         for name, p in list(module.named_parameters(recurse=False)):
-            spec = getattr(p, "shard", None)
+            spec = placement(p).shard
             cut = {**spec, "index": grid.tp - 1 - spec["index"]} if swap and module_name == "fc" else spec
             new = torch.nn.Parameter(shard.take_shard(full[f"{module_name}.{name}"].detach().clone(), cut))
-            new.shard = spec
-            new.sequence_parallel = grid.sp and (module_name == "ln" or getattr(p, "sequence_parallel", False))
+            place(new, shard=spec,
+                  sequence_parallel=grid.sp and (module_name == "ln" or placement(p).sequence_parallel))
             setattr(module, name, new)
     return mlp
 
@@ -193,7 +193,7 @@ def tp_mlp(rank: int, world: int, sp: bool, bug: str = "") -> tuple[float, float
         grads_ours[name] = p.grad
         grad = full[name].grad  # a DTensor, but for the LayerNorm without sequence parallelism (not parallelized)
         grad = grad.full_tensor() if isinstance(grad, DTensor) else grad
-        grads_theirs[name] = shard.take_shard(grad, getattr(p, "shard", None))
+        grads_theirs[name] = shard.take_shard(grad, placement(p).shard)
     return max_diff({"out": out_ours}, {"out": out_theirs}), max_diff(grads_ours, grads_theirs)
 
 

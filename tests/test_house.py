@@ -183,3 +183,36 @@ def test_a_fork_without_the_instruments_trains_in_every_layout(corpus, tmp_path)
     tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
                             "tests/test_model.py"], cwd=fork, env=env, capture_output=True, text=True, timeout=600)
     assert tests.returncode == 0 and " passed" in tests.stdout, tests.stdout[-3000:]
+
+
+PLACEMENT_FIELDS = {"shard", "expert", "tied_copy", "tied_embedding", "sequence_parallel"}
+
+
+def loose_placement(root: Path) -> list[str]:
+    """Every place a product file reads or writes a parameter's placement as a loose attribute: a
+    getattr / hasattr / setattr of one of its names, or a store `x.shard = ...` (the record,
+    parallel.placement and parallel.place, is the only way; `Unit.shard` and the like are read freely)."""
+    found = []
+    for name, path in modules(root).items():
+        if name.startswith("tests"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and len(node.args) >= 2 \
+                    and node.func.id in ("getattr", "hasattr", "setattr") and isinstance(node.args[1], ast.Constant) \
+                    and node.args[1].value in PLACEMENT_FIELDS:
+                found.append(f"{path.relative_to(root)}:{node.lineno}: {node.func.id}(..., {node.args[1].value!r})")
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and node.attr in PLACEMENT_FIELDS:
+                found.append(f"{path.relative_to(root)}:{node.lineno}: sets .{node.attr}")
+    return found
+
+
+def test_placement_is_one_record_read_through_parallel_placement():
+    assert loose_placement(ROOT) == []
+
+
+def test_the_placement_check_finds_a_loose_attribute(tmp_path):
+    (tmp_path / "gradients.py").write_text("def f(p):\n    return getattr(p, 'expert', False)\n")
+    (tmp_path / "shard.py").write_text("def g(p, q):\n    p.tied_copy = hasattr(q, 'shard')\n")
+    (tmp_path / "zero.py").write_text("def h(u, p):\n    return u.shard, placement(p).shard\n")  # reads: fine
+    assert sorted(loose_placement(tmp_path)) == ["gradients.py:2: getattr(..., 'expert')",
+                                                 "shard.py:2: hasattr(..., 'shard')", "shard.py:2: sets .tied_copy"]

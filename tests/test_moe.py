@@ -321,7 +321,7 @@ def test_the_grid_cuts_expert_groups_out_of_data_parallel_ranks():
     grids = [parallel.Grid(dp=4, tp=2, ep=2, rank=r) for r in range(8)]
     assert [(g.dp_rank, g.ep_rank, g.edp_rank) for g in grids[::2]] == [(0, 0, 0), (1, 1, 0), (2, 0, 1), (3, 1, 1)]
     expert = torch.nn.Parameter(torch.zeros(1))
-    expert.expert = True
+    parallel.place(expert, replicas="edp", split=("ep",))
     assert [g.rank for g in grids if g.owns(expert)] == [0, 2]
     assert [g.rank for g in grids if g.owns(expert, replicated_over_dp=False)] == [0, 2, 4, 6]
     assert "expert parallel (ep 2): {dp 0 dp 1} {dp 2 dp 3}" in str(grids[0])

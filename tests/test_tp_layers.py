@@ -19,6 +19,7 @@ import lmhead
 import model as gpt
 import parallel
 import shard
+from parallel import place, placement
 
 B, T, C, V = 2, 8, 16, 384
 
@@ -52,8 +53,8 @@ def last_dim(x, spec):
 
 def materialize(module, full: dict[str, torch.Tensor]) -> None:
     for name, p in list(module.named_parameters()):
-        new = torch.nn.Parameter(shard.take_shard(full[name], p.shard))
-        new.shard = p.shard
+        new = torch.nn.Parameter(shard.take_shard(full[name], placement(p).shard))
+        place(new, shard=placement(p).shard)
         setattr(module, name, new)
 
 
@@ -66,7 +67,7 @@ def check_linear(grid, kind, groups, sp):
     if kind == "column":
         layer = shard.ColumnParallelLinear(d_in, d_out, grid, groups=groups)
         x_local = local_seq(x, grid, sp).detach().requires_grad_()  # input: replicated, or sequence-sharded
-        want_out = last_dim(dense(x), layer.weight.shard)  # output: this rank's columns, all positions
+        want_out = last_dim(dense(x), placement(layer.weight).shard)  # output: this rank's columns, all positions
     else:
         layer = shard.RowParallelLinear(d_in, d_out, grid)
         x_local = shard.take_shard(x, {"dim": 2, "index": grid.tp_rank, "count": grid.tp, "groups": 1})
@@ -77,13 +78,13 @@ def check_linear(grid, kind, groups, sp):
     torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-6)
     g = torch.randn(B, T, d_out)  # the same upstream gradient everywhere
     dense(x).backward(g)
-    g_local = last_dim(g, layer.weight.shard) if kind == "column" else local_seq(g, grid, sp)
+    g_local = last_dim(g, placement(layer.weight).shard) if kind == "column" else local_seq(g, grid, sp)
     out.backward(g_local)
-    torch.testing.assert_close(layer.weight.grad, shard.take_shard(dense.weight.grad, layer.weight.shard))
+    torch.testing.assert_close(layer.weight.grad, shard.take_shard(dense.weight.grad, placement(layer.weight).shard))
     bias_grad = layer.bias.grad.clone()
     if kind == "row" and sp:  # each rank saw only its positions: partial, summed by finish_grads
         dist.all_reduce(bias_grad)
-    torch.testing.assert_close(bias_grad, shard.take_shard(dense.bias.grad, layer.bias.shard))
+    torch.testing.assert_close(bias_grad, shard.take_shard(dense.bias.grad, placement(layer.bias).shard))
     want_x_grad = local_seq(x.grad, grid, sp) if kind == "column" else \
         shard.take_shard(x.grad, {"dim": 2, "index": grid.tp_rank, "count": grid.tp, "groups": 1})
     torch.testing.assert_close(x_local.grad, want_x_grad, rtol=1e-5, atol=1e-6)
@@ -99,7 +100,7 @@ def check_embedding_and_loss(grid):
     g = torch.randn(B, T, C)
     dense(idx).backward(g)
     emb(idx).backward(g)
-    torch.testing.assert_close(emb.weight.grad, shard.take_shard(dense.weight.grad, emb.weight.shard))
+    torch.testing.assert_close(emb.weight.grad, shard.take_shard(dense.weight.grad, placement(emb.weight).shard))
 
     # the loss: the head's weight is the embedding's, the input replicated; chunks of 5 rows (of 16)
     lmhead.LOSS_CHUNK_BYTES = 5 * 4 * V // grid.tp
@@ -112,7 +113,7 @@ def check_embedding_and_loss(grid):
     (loss * 3).backward()
     (want * 3).backward()
     torch.testing.assert_close(x_local.grad, x.grad)  # the ranks' partial sums, all-reduced by f
-    torch.testing.assert_close(emb.weight.grad, shard.take_shard(dense.weight.grad, emb.weight.shard))
+    torch.testing.assert_close(emb.weight.grad, shard.take_shard(dense.weight.grad, placement(emb.weight).shard))
 
 
 @pytest.mark.parametrize("kind,groups,sp", [("column", 1, False), ("column", 3, False), ("column", 3, True),
