@@ -1,4 +1,4 @@
-"""What keeps a run stable (lesson 02): the learning-rate schedule, mixed precision and loss
+"""What keeps a run stable (lessons 02 and 05): the learning-rate schedule, mixed precision and loss
 scaling, gradient clipping, and the loss-spike guard.
 
 Mixed precision: bf16 autocast needs nothing else. fp16 has 5 exponent bits, so small gradients

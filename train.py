@@ -14,7 +14,7 @@ One optimizer step, whatever the layout:
 The math of a step depends only on the global batch, the data order and the seed; --tp, --pp,
 the data-parallel degree and --micro-batch-size only change how it is computed (DESIGN.md,
 principle 3). The tests hold every layout to that. Mixed precision, loss scaling, the schedule,
-clipping and the spike guard (lesson 02) live in stability.py.
+clipping (lesson 02) and the spike guard (lesson 05) live in stability.py.
 
 Checkpoints (lesson 05) are written by checkpoint.py; a run whose --out holds one resumes from
 it. The loss-spike guard rolls back to the last checkpoint and skips the batch that caused it.

@@ -231,11 +231,9 @@ def test_leftovers_without_a_run_id_are_refused(corpus, tmp_path):
 
 
 def test_the_spike_guard_gives_up_instead_of_looping(corpus, tmp_path):
-    start = time.monotonic()
     result = run_train(corpus, tmp_path, "--max-steps", "40", "--lr", "10", "--warmup-steps", "400", "--ckpt-every",
                        "4", "--spike-z", "3", "--spike-window", "4", "--eval-every", "1000", "--max-rollbacks", "2",
                        check=False)
-    assert time.monotonic() - start < 60
     line = last_line(result)
     assert "the spike guard rolled back 2 times in a row" in line and "lower --lr" in line
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -276,10 +274,9 @@ def test_a_second_run_on_the_same_out_is_refused(corpus, tmp_path):
     ("--crash-at", "soon", "argument --crash-at: must look like step:N"),
 ])
 def test_bad_flag_values_are_refused_by_the_parser(flag, value, message, corpus, tmp_path):
-    start = time.monotonic()
-    line = last_line(run_train(corpus, tmp_path, flag, value, check=False))
-    assert message in line
-    assert not (tmp_path / "run.json").exists() and time.monotonic() - start < 30  # before any work
+    result = run_train(corpus, tmp_path, flag, value, check=False)
+    assert message in last_line(result) and result.returncode == 2
+    assert not (tmp_path / "run.json").exists() and "data:" not in result.stdout  # before any work
 
 
 def test_out_that_is_a_file(corpus, tmp_path):
@@ -366,11 +363,9 @@ def tiny_saver(tmp_path, rank=0, world=1, timeout_s=600.0):
 def test_a_stalled_commit_honours_the_timeout(tmp_path):
     saver, model, opt = tiny_saver(tmp_path, rank=1, world=2, timeout_s=1.0)
     (tmp_path / "ckpt" / ".tmp-step_00000001").mkdir(parents=True)  # rank 0 made it, then stalled
-    start = time.monotonic()
     with pytest.raises(checkpoint.CheckpointError, match=r"timed out after 1s \(--timeout\)"):
         saver.save(1, checkpoint.tensor_entries(model, opt, saver.grid), checkpoint.optimizer_steps(opt), extra={},
                    meta={})
-    assert time.monotonic() - start < 10
 
 
 def test_a_peer_stalled_in_a_tensor_parallel_collective_ends_the_run_at_the_timeout(corpus, tmp_path):

@@ -10,7 +10,6 @@ import resource
 import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -60,20 +59,17 @@ def settle(*argv: str) -> tuple[config.TrainConfig, object]:
     (["--preset", "tiny", "--block-size", str(10**21)], f"4 layers, a context of {10**21:,}"),  # a TypeError before
 ])
 def test_a_model_that_cannot_fit_is_refused_before_it_is_built(argv, what):
-    start = time.monotonic()
     with pytest.raises(config.ConfigError, match=rf"the model would have [\d,.]+B parameters \({what}\): at least "
                                                  r"[\d,.]+ GB of training state and activations, more than the "):
         settle(*argv)
-    assert time.monotonic() - start < 5
     settle("--preset", "tiny", "--n-layer", "64")  # a deep model that fits is not refused
 
 
 def test_n_layer_100000_is_one_line_from_train_py(corpus, tmp_path):
-    start = time.monotonic()
     result = run_train(corpus, tmp_path, "--n-layer", "100000", check=False)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert result.stderr.strip().splitlines()[-1].startswith("error: the model would have")
-    assert "data:" not in result.stdout and time.monotonic() - start < 60
+    assert "data:" not in result.stdout  # before any work
 
 
 def test_short_runs_leave_most_steps_to_training():

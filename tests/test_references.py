@@ -488,7 +488,7 @@ PLANTED = [
     ("The ring all-reduce, by hand, in lesson 42.", "there is no lesson 42"),
     ("Lesson 11, section 12 says how.", "lesson 11 has no section 12"),
     ("Lesson 10 §9 pays for it.", "lesson 10 has no section 9"),
-    ("Lessons 9–21 split the model.", "there is no lesson 21"),
+    ("Lessons 9–29 split the model.", "there is no lesson 29"),
     ("See section 11 above.", "this lesson has no section 11"),
     ("The plan is in `19-planning.md`.", "there is no lesson file 19-planning.md"),
     ("`train.resume_changes` says what each change means.", "it is instruments.reports.resume_changes"),

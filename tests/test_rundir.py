@@ -37,12 +37,10 @@ def last_line(result) -> str:
 def test_an_out_that_cannot_be_written_is_one_line_before_any_work(out, corpus, tmp_path):
     """Under a read-only parent, read-only itself (sysfs refuses even root), or a name over 255 bytes."""
     out = tmp_path / ("x" * 300) / "run" if out == "name-too-long" else Path(out)
-    start = time.monotonic()
     result = run_train(corpus, out, check=False)
     assert result.returncode == 2
     assert last_line(result).startswith(f"error: --out {out} cannot be written (")
-    assert "choose another --out" in last_line(result) and "data:" not in result.stdout
-    assert time.monotonic() - start < 60
+    assert "choose another --out" in last_line(result) and "data:" not in result.stdout  # before any work
 
 
 # ----------------------------------------------------------------------------- --fresh, killed at any point
