@@ -91,6 +91,7 @@ depends on the routing and is not counted.
 With dropping on, a rank sends only its kept assignments: fewer bytes than the formula says.
 """
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -179,6 +180,13 @@ class Experts(nn.Module):
         return F.linear(F.gelu(h, approximate="tanh"), *proj)
 
 
+@functools.cache
+def eager_send(cls: type) -> None:
+    """torch.compiler.disable on MoE.send, when the first MoE layer is built: as a decorator it would
+    import torch._dynamo (1.7 s of CPU) in every process that imports model.py."""
+    cls.send = torch.compiler.disable(cls.send)
+
+
 class MoE(nn.Module):
     """A block's MLP as routed experts. After each forward it keeps what the router decided, for the
     loss and the reports: `aux`, `z` (scalars), `load` (assignments per expert) and `dropped` (the fraction
@@ -189,6 +197,7 @@ class MoE(nn.Module):
     def __init__(self, n_embd: int, hidden: int, swiglu: bool, n_experts: int, top_k: int,
                  capacity_factor: float, dropout: float = 0.0):
         super().__init__()
+        eager_send(MoE)  # eager: no compiled graph guards on the counts (module docstring)
         self.n_experts, self.top_k, self.capacity_factor = n_experts, top_k, capacity_factor
         self.router = nn.Linear(n_embd, n_experts, bias=False)
         self.experts = Experts(n_experts, n_embd, hidden, swiglu)
@@ -214,7 +223,6 @@ class MoE(nn.Module):
             0, expert, torch.ones_like(expert))
         return self.send(x, order, counts[:-1], r.weights)  # (fixed shapes until here)
 
-    @torch.compiler.disable  # eager: no compiled graph guards on the counts (module docstring)
     def send(self, x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor,
              weights: torch.Tensor) -> torch.Tensor:
         """The kept assignments' rows through their experts (here, or over the ep group) and back,

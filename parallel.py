@@ -335,7 +335,7 @@ class Grid:
         self.traffic.add(name, self.label(group), nbytes)
         if self.crash_at and interrupt.crash_due(self.crash_at, self.rank, f"stall:{group}"):
             interrupt.stall()  # (fault injection: this rank never joins the call)
-        start = lambda: peer_call(call, *args, group=self.groups[group], what=self.describe(name, group), **kwargs)
+        start = lambda: peer_call(call, *args, group=self.groups.get(group), what=self.describe(name, group), **kwargs)
         return self.observer.collective(name, self.label(group), self.members[group], nbytes, start)
 
     def all_reduce(self, t: torch.Tensor, group: str, op=dist.ReduceOp.SUM, async_op: bool = False):
@@ -388,7 +388,7 @@ class Grid:
         the list of pending works and must wait on each before touching the tensors. Each message sent
         is counted ("send"); the observer sees the batch as one "p2p" among its peers."""
         sends = [(t.contiguous(), *rest) for t, *rest in sends]
-        pg = self.groups[group]  # the group's own communicator (on NCCL, its own stream): rings and
+        pg = self.groups.get(group)  # the group's own communicator (on NCCL, its own stream): rings and
         ops = [dist.P2POp(dist.isend, t, peer, group=pg, tag=tag[0] if tag else 0)  # pipelines overlap
                for t, peer, *tag in sends]
         ops += [dist.P2POp(dist.irecv, t, peer, group=pg, tag=tag[0] if tag else 0) for t, peer, *tag in recvs]

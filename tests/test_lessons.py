@@ -381,11 +381,11 @@ def test_lesson_prints_what_it_shows(doc, tmp_path):
 # ones, and MKL's most compatible code. The blocks whose claim is a blow-up, a count of values that cross a
 # rounding boundary, a drawing or a sample are checked there, with the blocks they need run first, each
 # lesson under kernels that change what it prints here (measured; the others pass it too, at more cost).
+# (Lesson 1's blocks print the same digits under all three today, measured: nothing to check there.)
 ELSEWHERE = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2"}, "scalar": {"ATEN_CPU_CAPABILITY": "default"},
              "mkl": {"MKL_CBWR": "COMPATIBLE"}}
-NEEDED = {"01-one-device": (1, 3, 4, 6, 8), "02-stable-training": (1, 8), "17-fp8": (1, 6, 7)}
-RUNS = [("01-one-device", "scalar"), ("02-stable-training", "avx2"), ("02-stable-training", "mkl"),
-        ("17-fp8", "scalar")]
+NEEDED = {"02-stable-training": (1, 8), "17-fp8": (1, 6, 7)}
+RUNS = [("02-stable-training", "avx2"), ("02-stable-training", "mkl"), ("17-fp8", "scalar")]
 
 
 def environment_under(env: dict) -> tuple[str, ...]:
