@@ -105,12 +105,10 @@ def attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.T
     enable_gqa: k and v may have fewer heads than q (its fused kernels index them; its math fallback repeats)."""
     Tq, Tk = q.size(-2), k.size(-2)
     gqa = q.size(1) != k.size(1)
-    # is_causal a constant: under torch.compile with a symbolic length, Tq == Tk is a SymBool, which SDPA
-    # refuses (a branch on it is decided at trace time, and guarded)
-    if Tq == Tk:  # the lower triangle
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     if Tq == 1:  # one new token, which sees the whole cache
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+    if Tq == Tk:  # the lower triangle (is_causal a constant: compiled, Tq == Tk may be a SymBool)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     visible = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(diagonal=Tk - Tq)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=gqa)
 
