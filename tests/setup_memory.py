@@ -15,6 +15,7 @@ shard + unit + draw and a small margin.
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -55,6 +56,13 @@ def peak_apart_from(events: list, kept_ptrs: set[int]) -> int:
             held += e.alloc_size
             peak = max(peak, held)
     return peak
+
+
+def rank_lines(stdout: str) -> list[dict]:
+    """Each rank's JSON line, wherever it landed: rank 0's log lines go as text and newline apart, so
+    another rank's line can land after its text, on the same line of the shared stdout (seen loaded)."""
+    decoder = json.JSONDecoder()
+    return [decoder.raw_decode(stdout, m.start())[0] for m in re.finditer(r'\{"rank": ', stdout)]
 
 
 def main() -> None:

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import setup_memory
 import torch
 from conftest import ROOT, TINY, final_weights, metrics, run_train
 
@@ -270,7 +271,7 @@ def test_a_zero3_resume_reads_checks_and_holds_only_each_ranks_share(corpus, tmp
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
-    ranks = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    ranks = setup_memory.rank_lines(result.stdout)
     assert sorted(r["rank"] for r in ranks) == [0, 1, 2, 3]
     for r in ranks:
         assert r["step"] == 2 and len(r["sizes"]) == 4

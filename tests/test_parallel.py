@@ -8,7 +8,6 @@ report, whose measured bytes must equal the papers' formulas on every rank.
 
 import datetime
 import functools
-import json
 import os
 import re
 import socket
@@ -17,6 +16,7 @@ import sys
 import time
 
 import pytest
+import setup_memory
 import torch
 from conftest import ROOT, STEPS, TINY, assert_same_weights, final_weights, metrics, run_train, start_ranks, stop_ranks
 
@@ -574,7 +574,7 @@ def test_zero3_never_holds_the_whole_model_not_even_at_start_up(nproc, flags, co
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
-    ranks = [json.loads(ln) for ln in result.stdout.splitlines() if ln.startswith("{")]
+    ranks = setup_memory.rank_lines(result.stdout)
     assert len(ranks) == nproc
     for r in ranks:
         bound = r["shard"] + r["unit"] + r["draw"] + 64 * 2**10
